@@ -1,0 +1,31 @@
+# `make demo` and `make test` each create .venv on a fresh machine (about 2 minutes) first.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast install clean
+
+$(STAMP): requirements.txt requirements-test.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements-test.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Pretrain a small Delta Block model on the embedded corpus (CPU, a few minutes).
+demo: $(STAMP)
+	$(VENV)/bin/python -m delta_jax.train --config configs/demo.yaml
+
+# pytest exits 5 when it collected nothing: report that as the failure it is.
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS) || { rc=$$?; \
+	  [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
+
+# The suite without the tests marked slow.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

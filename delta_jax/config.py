@@ -1,0 +1,156 @@
+"""Model configuration: every Qwen3 field, the residual variant, and named presets.
+
+Conventions: d hidden_size, L num_layers, H num_heads, KV num_kv_heads, hd head_dim (not always
+d/H), I intermediate_size, V vocab_size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+RESIDUALS = ("baseline", "block", "full", "delta", "delta_block")
+BLOCK_SOURCES = ("reference", "paper")
+ROUTER_INITS = ("normal", "zeros")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
+LAYER_DRIVERS = ("lean", "scan", "unrolled")
+
+# Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver)
+# only change how the same function is computed; checkpoints may move between them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 151936
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 3072
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e4
+    tie_word_embeddings: bool = True
+    # Residual variant (SPEC.md section 3).
+    residual: str = "delta_block"
+    num_blocks: int = 4
+    block_sources: str = "reference"
+    router_init: str = "normal"
+    # Reference extras: a learned zero-initialised null source per site (delta modes), and a
+    # learned scalar gate per site on the routed term, initialised to zero (the reference's
+    # `attnres_gate_type: learnable_alpha`); the gate makes conversions exact at step 0.
+    null_source: bool = False
+    routing_gate: bool = False
+    init_std: float = 0.02
+    # Numerics and execution.
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of the parameters (master weights)
+    remat: str = "none"
+    layer_driver: str = "lean"
+
+    def __post_init__(self):
+        def fail(field: str, allowed: str):
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(self, field)!r} is invalid: expected {allowed}")
+
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "head_dim", "intermediate_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(field, "a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is invalid: expected a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            fail("num_blocks", "an integer >= 1")
+        for field, allowed in (("residual", RESIDUALS), ("block_sources", BLOCK_SOURCES),
+                               ("router_init", ROUTER_INITS), ("dtype", DTYPES),
+                               ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
+                               ("layer_driver", LAYER_DRIVERS)):
+            if getattr(self, field) not in allowed:
+                fail(field, "one of " + ", ".join(allowed))
+        if not self.rms_norm_eps > 0:
+            fail("rms_norm_eps", "a positive float")
+        if not self.rope_theta > 0:
+            fail("rope_theta", "a positive float")
+        if not self.init_std >= 0:
+            fail("init_std", "a float >= 0")
+        if self.null_source and self.residual not in ("delta", "delta_block"):
+            raise ValueError(
+                f"ModelConfig.null_source=True is invalid with residual={self.residual!r}: "
+                "the null source exists only in the additive modes delta and delta_block")
+        if self.routing_gate and self.residual == "baseline":
+            raise ValueError("ModelConfig.routing_gate=True is invalid with residual='baseline': "
+                             "the baseline has no routing sites")
+
+    # Derived geometry -----------------------------------------------------------------------
+    @property
+    def layers_per_block(self) -> int:
+        return max(1, math.ceil(self.num_layers / self.num_blocks))
+
+    @property
+    def has_routing(self) -> bool:
+        return self.residual != "baseline"
+
+    @property
+    def has_final_site(self) -> bool:
+        return self.residual in ("block", "full")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that define the function and the parameter shapes."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+
+    # Presets (SPEC.md section 5) ------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "ModelConfig":
+        """The golden files' shape: fast enough for tests on two CPU cores."""
+        base = dict(vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                    head_dim=8, intermediate_size=64, num_blocks=2)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def paper_220m(cls, **overrides: Any) -> "ModelConfig":
+        return cls(**{**dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                             head_dim=64, intermediate_size=3072), **overrides})
+
+    @classmethod
+    def paper_533m(cls, **overrides: Any) -> "ModelConfig":
+        return cls(**{**dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8,
+                             head_dim=64, intermediate_size=4096), **overrides})
+
+    @classmethod
+    def paper_1044m(cls, **overrides: Any) -> "ModelConfig":
+        return cls(**{**dict(hidden_size=1280, num_layers=36, num_heads=20, num_kv_heads=4,
+                             head_dim=64, intermediate_size=5120), **overrides})
+
+    @classmethod
+    def qwen3_0_6b(cls, **overrides: Any) -> "ModelConfig":
+        return cls(**{**dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                             head_dim=128, intermediate_size=3072, rope_theta=1e6), **overrides})
+
+    @classmethod
+    def paper_8b(cls, **overrides: Any) -> "ModelConfig":
+        return cls(**{**dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                             head_dim=128, intermediate_size=12288), **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}: expected one of {', '.join(PRESETS)}")
+        return getattr(cls, PRESETS[name])(**overrides)
+
+
+PRESETS = {
+    "tiny": "tiny",
+    "220m": "paper_220m",
+    "533m": "paper_533m",
+    "1044m": "paper_1044m",
+    "qwen3-0.6b": "qwen3_0_6b",
+    "8b": "paper_8b",
+}

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: the key table, state dicts and safetensors folders."""

@@ -1,0 +1,112 @@
+"""The routing site: a learned softmax over earlier sublayer outputs (SPEC.md section 2).
+
+Conventions: S buffer slots, N = sources a site sees, B batch, T sequence, D hidden.
+Sources live in one preallocated buffer [S,B,T,D] with a float32 inverse-RMS cache [S,B,T]
+written once per source, so a site's logits are r_n * ((w*g) . s_n): the normalised sources are
+never materialised. A site can also see a per-site learned null source [D] (prepended, delta
+modes) and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
+replacement modes, appended). Padded weight layout of a site: [null?] + S slots + [live?].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from delta_jax.model.layers import make_param
+
+
+class RoutingSite(nnx.Module):
+    """Pseudo-query w [D], its RMSNorm scale g [D], optional null source [D] and gate []."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs, *, stack: int | None = None):
+        d = cfg.hidden_size
+        pd = jnp.dtype(cfg.param_dtype)
+        self.eps = cfg.rms_norm_eps
+        self.query = make_param(rngs, (d,), ("routing",), init=cfg.router_init,
+                                std=cfg.init_std, dtype=pd, stack=stack)
+        self.norm = make_param(None, (d,), ("routing",), init="ones", std=0.0, dtype=pd,
+                               stack=stack)
+        self.null = (make_param(None, (d,), ("routing",), init="zeros", std=0.0, dtype=pd,
+                                stack=stack) if cfg.null_source else None)
+        # The reference's `learnable_alpha` gate: input = (1-a)*base + a*routed, a starts at 0.
+        self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
+                     if cfg.routing_gate else None)
+
+    def __call__(self, buffer: jax.Array, inv_rms: jax.Array, num_valid,
+                 live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Route over buffer slots [0, num_valid) plus null and live sources.
+
+        buffer [S,B,T,D], inv_rms [S,B,T] float32, num_valid int (static or traced),
+        live [B,T,D] or None -> mix [B,T,D] in buffer dtype, weights [N_pad,B,T] float32
+        (zero on unused slots; all zero, and mix zero, when the site sees no source).
+        """
+        wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
+        logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
+                                       preferred_element_type=jnp.float32)]
+        valid = [jnp.arange(buffer.shape[0]) < num_valid]
+        batch_shape = buffer.shape[1:3]
+        if self.null is not None:
+            null = self.null[...].astype(jnp.float32)
+            null_logit = jnp.dot(null, wg) * jax.lax.rsqrt(jnp.mean(null * null) + self.eps)
+            logits.insert(0, jnp.broadcast_to(null_logit, (1, *batch_shape)))
+            valid.insert(0, jnp.ones((1,), bool))
+        if live is not None:
+            logits.append((inverse_rms(live, self.eps) * jnp.einsum(
+                "btd,d->bt", live, wg.astype(live.dtype),
+                preferred_element_type=jnp.float32))[None])
+            valid.append(jnp.ones((1,), bool))
+        weights = masked_softmax(jnp.concatenate(logits), jnp.concatenate(valid))
+
+        offset = 1 if self.null is not None else 0
+        slot_weights = weights[offset:offset + buffer.shape[0]]
+        mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
+                         preferred_element_type=jnp.float32)
+        if self.null is not None:
+            mix = mix + weights[0][..., None] * self.null[...].astype(jnp.float32)
+        if live is not None:
+            mix = mix + weights[-1][..., None] * live.astype(jnp.float32)
+        return mix.astype(buffer.dtype), weights
+
+    def gated(self, base: jax.Array, routed: jax.Array) -> jax.Array:
+        """The sublayer's input before its RMSNorm: routed, or (1-a)*base + a*routed."""
+        if self.gate is None:
+            return routed
+        a = self.gate[...].astype(routed.dtype)
+        return (1 - a) * base + a * routed
+
+
+def inverse_rms(x: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [...] float32: rsqrt(mean(x^2) + eps)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+
+
+def masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
+    """Softmax over axis 0 of [N,...] float32 restricted to valid [N]; all-invalid -> zeros."""
+    valid = valid.reshape(valid.shape + (1,) * (logits.ndim - 1))
+    shifted = jnp.where(valid, logits, -jnp.inf)
+    peak = jnp.max(shifted, axis=0, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    exp = jnp.where(valid, jnp.exp(shifted - peak), 0.0)
+    total = jnp.sum(exp, axis=0, keepdims=True)
+    return exp / jnp.where(total > 0, total, 1.0)
+
+
+def weight_statistics(weights: jax.Array, num_sources) -> dict[str, jax.Array]:
+    """Per-site sharpness from padded weights [..., N_pad, B, T] and counts [...].
+
+    max_weight: mean over tokens of max_n alpha; entropy: mean over tokens of -sum a log a;
+    normalized_entropy: entropy / log(N) (0 where N <= 1). Sites with N = 0 give NaN.
+    """
+    num_sources = jnp.asarray(num_sources)
+    plogp = jnp.where(weights > 0, weights * jnp.log(jnp.where(weights > 0, weights, 1.0)), 0.0)
+    entropy = jnp.mean(-jnp.sum(plogp, axis=-3), axis=(-2, -1))
+    max_weight = jnp.mean(jnp.max(weights, axis=-3), axis=(-2, -1))
+    log_n = jnp.log(jnp.maximum(num_sources, 1).astype(jnp.float32))
+    normalized = jnp.where(num_sources > 1, entropy / jnp.where(log_n > 0, log_n, 1.0), 0.0)
+    unused = num_sources == 0
+    nan = jnp.float32(jnp.nan)
+    return {"max_weight": jnp.where(unused, nan, max_weight),
+            "entropy": jnp.where(unused, nan, entropy),
+            "normalized_entropy": jnp.where(unused, nan, normalized)}

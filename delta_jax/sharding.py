@@ -1,0 +1,112 @@
+"""Logical axis names -> mesh axes, kept in one place.
+
+Mesh axes: 'data' (pure data parallel), 'fsdp' (data parallel with parameters and optimizer
+state sharded), 'tensor' (Megatron-style: heads and MLP width split). Parameters name their axes
+logically ('embed', 'mlp', ...; see layers.py); activations are constrained through `constrain`,
+which is a no-op outside a mesh context, so the same model code runs on one CPU or a pod.
+A mesh axis that does not divide a dimension is dropped for that array (it is replicated there)
+rather than failing: a 2-kv-head model still runs on tensor=4.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_RULES: Mapping[str, tuple[str, ...]] = {
+    # parameters
+    "layers": (),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "norm": (),
+    "routing": (),
+    # activations; the routing source buffer is sharded like the residual stream, never on S
+    "batch": ("data", "fsdp"),
+    "seq": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "sources": (),
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (plain indexing of sharded arrays works)."""
+    devices = jax.devices() if devices is None else devices
+    wanted = data * fsdp * tensor
+    if wanted != len(devices):
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {wanted} devices, "
+                         f"but {len(devices)} are available ({jax.default_backend()})")
+    return jax.make_mesh((data, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int],
+                    mesh_shape: Mapping[str, int]) -> P:
+    """PartitionSpec for one array; mesh axes that do not divide the dimension are dropped."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not match array shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(axes, shape):
+        mesh_axes = []
+        if name is not None:
+            if name not in LOGICAL_RULES:
+                raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_RULES)}")
+            extent = 1
+            for axis in LOGICAL_RULES[name]:
+                n = mesh_shape.get(axis, 1)
+                if axis in used or n == 1 or size % (extent * n):
+                    continue
+                mesh_axes.append(axis)
+                extent *= n
+        used.update(mesh_axes)
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1
+                    else tuple(mesh_axes))
+    return P(*spec)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names under the current mesh; identity without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, dict(mesh.shape)))
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_partition_specs(state, mesh: Mesh):
+    """nnx.State of Variables (abstract or concrete) -> the same tree of PartitionSpecs.
+
+    Variables without `logical_axes` (counters, RNG state) are replicated.
+    """
+    mesh_shape = dict(mesh.shape)
+
+    def spec(variable):
+        axes = getattr(variable, "logical_axes", None)
+        shape = np.shape(variable[...])
+        return P() if axes is None else logical_to_spec(axes, shape, mesh_shape)
+
+    return jax.tree.map(spec, state, is_leaf=_is_variable)
+
+
+def state_shardings(state, mesh: Mesh):
+    """nnx.State -> the same tree of NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), state_partition_specs(state, mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [B, T, ...] input batch: batch over (data, fsdp)."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
