@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -96,7 +95,7 @@ def state_partition_specs(state, mesh: Mesh):
 
     def spec(variable):
         axes = getattr(variable, "logical_axes", None)
-        shape = np.shape(variable[...])
+        shape = variable.get_value().shape
         return P() if axes is None else logical_to_spec(axes, shape, mesh_shape)
 
     return jax.tree.map(spec, state, is_leaf=_is_variable)

@@ -1,0 +1,88 @@
+"""The Orbax checkpoint layout shared by the trainer and the converter.
+
+A checkpoint directory is managed by an orbax CheckpointManager; each step directory holds
+  params        the model's nnx.Param state as a pure nested dict (StandardSave)
+  model_config  the ModelConfig fields (JsonSave)
+and, for training runs, further items the trainer adds (optimizer state, data iterator, ...).
+The converter writes a one-step directory (step 0) that the trainer can fine-tune from.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from delta_jax.config import ModelConfig
+from delta_jax.model.causal_lm import CausalLM
+from delta_jax.sharding import state_shardings
+
+PARAMS = "params"
+MODEL_CONFIG = "model_config"
+
+
+def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(fields: dict[str, Any], *, source: str) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown model_config field(s) {unknown}")
+    return ModelConfig(**fields)
+
+
+def manager(directory: str | Path, **options: Any) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(Path(directory).absolute(),
+                                 options=ocp.CheckpointManagerOptions(**options))
+
+
+def save_model(model: CausalLM, directory: str | Path, step: int = 0) -> Path:
+    """Write a model-only checkpoint (params + model_config) at `step`; blocks until done."""
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    with manager(directory, enable_async_checkpointing=False) as mgr:
+        mgr.save(step, args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(params),
+            MODEL_CONFIG: ocp.args.JsonSave(config_to_json(model.config))}))
+        mgr.wait_until_finished()
+    return Path(directory) / str(step)
+
+
+def restore_model_config(directory: str | Path, step: int | None = None) -> ModelConfig:
+    with manager(directory, read_only=True) as mgr:
+        step = mgr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{directory}: no checkpoint step found")
+        fields = mgr.restore(step, args=ocp.args.Composite(
+            **{MODEL_CONFIG: ocp.args.JsonRestore()}))[MODEL_CONFIG]
+    return config_from_json(fields, source=f"{directory}/{step}/{MODEL_CONFIG}")
+
+
+def restore_model(directory: str | Path, step: int | None = None, *, mesh=None,
+                  **config_overrides: Any) -> CausalLM:
+    """Load params + model_config of `step` (default: the latest) into a CausalLM.
+
+    With a mesh, every parameter is restored directly onto its sharding. Overrides may change
+    only runtime fields (dtype, remat, layer_driver, ...), not the architecture.
+    """
+    cfg = restore_model_config(directory, step)
+    cfg = cfg.replace(**config_overrides) if config_overrides else cfg
+    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    if mesh is not None:
+        shardings = state_shardings(params, mesh)
+        target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                              params.to_pure_dict(), shardings.to_pure_dict())
+    else:
+        target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                              params.to_pure_dict())
+    with manager(directory, read_only=True) as mgr:
+        step = mgr.latest_step() if step is None else step
+        restored = mgr.restore(step, args=ocp.args.Composite(
+            **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
+    params.replace_by_pure_dict(restored)
+    return nnx.merge(graphdef, params, rest)
