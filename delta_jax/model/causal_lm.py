@@ -15,7 +15,7 @@ from flax import nnx, struct
 from delta_jax.config import ModelConfig
 from delta_jax.model.decoder import DecoderLayer, commit
 from delta_jax.model.drivers import DRIVERS, with_remat
-from delta_jax.model.layers import RMSNorm, dtype_of, make_param, rope_tables
+from delta_jax.model.layers import LayerCache, RMSNorm, dtype_of, make_param, rope_tables
 from delta_jax.model.routing import RoutingSite, weight_statistics
 from delta_jax.model.schedule import Schedule, schedule
 from delta_jax.sharding import constrain
@@ -94,20 +94,21 @@ class CausalLM(nnx.Module):
         return schedule(self.config)
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 return_routing: bool = False, return_hidden: bool = False,
-                 driver: str | None = None):
+                 cache: LayerCache | None = None, return_routing: bool = False,
+                 return_hidden: bool = False, driver: str | None = None):
         """input_ids [B,T] int -> logits [B,T,V] in the compute dtype.
 
-        return_routing adds a `Routing` (routing weights and statistics); return_hidden adds
-        the final-normed hidden states [B,T,D]. The layer driver defaults to the config's;
-        routing outputs need a driver that returns layer outputs (the lean one does not, so
-        `scan` is used instead).
+        With a `cache` (from `init_cache`) the tokens are appended to it and the updated cache
+        is returned after the logits. return_routing adds a `Routing` (routing weights and
+        statistics); return_hidden adds the final-normed hidden states [B,T,D]. The layer
+        driver defaults to the config's; layer outputs (routing, cache) need a driver that
+        returns them, so the lean one gives way to `scan` there.
         """
-        cfg = self.config
-        hidden, routing = self.hidden_states(input_ids, positions=positions,
-                                             return_routing=return_routing, driver=driver)
+        hidden, routing, cache = self.hidden_states(
+            input_ids, positions=positions, cache=cache, return_routing=return_routing,
+            driver=driver)
         logits = self.logits(hidden)
-        outputs = (logits,)
+        outputs = (logits,) if cache is None else (logits, cache)
         if return_routing:
             outputs += (routing,)
         if return_hidden:
@@ -120,13 +121,28 @@ class CausalLM(nnx.Module):
         head = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...])
         return constrain(hidden.astype(dtype) @ head.astype(dtype), ("batch", "seq", "vocab"))
 
-    def hidden_states(self, input_ids, *, positions=None, return_routing=False, driver=None):
-        """input_ids [B,T] -> (final-normed hidden [B,T,D], Routing or None)."""
+    def init_cache(self, batch: int, capacity: int, start: jax.Array | None = None) -> LayerCache:
+        """An empty decoding cache: k, v [L,B,capacity,K,hd]; start [B] marks left padding."""
+        cfg = self.config
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, dtype_of(cfg.dtype))
+        start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), start=start)
+
+    def hidden_states(self, input_ids, *, positions=None, cache=None, return_routing=False,
+                      driver=None):
+        """input_ids [B,T] -> (final-normed hidden [B,T,D], Routing or None, LayerCache or None).
+
+        Positions default to 0..T-1, or with a cache to each token's place after its row's
+        start (so a left-padded row sees the positions an unpadded one would).
+        """
         cfg = self.config
         dtype = dtype_of(cfg.dtype)
         batch, length = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+            if cache is not None:
+                positions = positions + cache.length - cache.start[:, None]
         rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         embeddings = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(dtype)
 
@@ -141,16 +157,25 @@ class CausalLM(nnx.Module):
             carry = commit(carry, 0, embeddings, cfg.rms_norm_eps)
 
         driver = driver or cfg.layer_driver
-        if return_routing and driver == "lean":
+        if (return_routing or cache is not None) and driver == "lean":
             driver = "scan"
         graphdef, params = nnx.split(self.layers)
+        layer_inputs = params if cache is None else (params, (cache.k, cache.v))
 
-        def step(params_l, c, row):
-            return nnx.merge(graphdef, params_l)(c, row, rope)
+        def step(inputs, c, row):
+            params_l, kv = (inputs, None) if cache is None else inputs
+            layer_cache = None if kv is None else cache.replace(k=kv[0], v=kv[1])
+            c, weights, layer_cache = nnx.merge(graphdef, params_l)(
+                c, row, {"rope": rope, "cache": layer_cache})
+            kv = None if layer_cache is None else (layer_cache.k, layer_cache.v)
+            return c, (weights, kv)
 
         rows = {"first_write": plan.first_write, "attn_visible": plan.attn_visible,
                 "mlp_visible": plan.mlp_visible, "boundary": plan.boundary}
-        carry, site_weights = DRIVERS[driver](with_remat(step, cfg.remat), params, carry, rows)
+        carry, (site_weights, kv) = DRIVERS[driver](with_remat(step, cfg.remat), layer_inputs,
+                                                    carry, rows)
+        if cache is not None:
+            cache = cache.replace(k=kv[0], v=kv[1], length=cache.length + length)
 
         out, final_weights = carry["h"], None
         if self.final_site is not None:
@@ -159,13 +184,13 @@ class CausalLM(nnx.Module):
             out = self.final_site.gated(carry["h"], mix)
         hidden = self.norm(out)
         if not return_routing:
-            return hidden, None
+            return hidden, None, cache
         weights = (jnp.stack(site_weights, axis=1) if site_weights
                    else jnp.zeros((cfg.num_layers, 2, 0, batch, length), jnp.float32))
         return hidden, Routing(weights=weights, final=final_weights,
                                site_sources=tuple(map(tuple, plan.site_sources(cfg).tolist())),
                                final_sources=plan.final_sources(),
-                               has_null=cfg.null_source, has_live=plan.has_live)
+                               has_null=cfg.null_source, has_live=plan.has_live), cache
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:

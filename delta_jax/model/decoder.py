@@ -51,8 +51,9 @@ class DecoderLayer(nnx.Module):
             self.mlp_site = RoutingSite(cfg, rngs, stack=stack)
 
     # Sublayers, named for remat policies -------------------------------------------------
-    def attention(self, x, rope):
-        return checkpoint_name(self.self_attn(self.input_layernorm(x), *rope), "attn_out")
+    def attention(self, x, ctx):
+        out, cache = self.self_attn(self.input_layernorm(x), *ctx["rope"], cache=ctx["cache"])
+        return checkpoint_name(out, "attn_out"), cache
 
     def feed_forward(self, x):
         return checkpoint_name(self.mlp(self.post_attention_layernorm(x)), "mlp_out")
@@ -69,54 +70,58 @@ class DecoderLayer(nnx.Module):
         return site.gated(carry["h"], mix), weights
 
     # The layer ---------------------------------------------------------------------------
-    def __call__(self, carry: Carry, row: dict, rope) -> tuple[Carry, tuple]:
-        """carry, schedule row {first_write, attn_visible, mlp_visible, boundary} ->
-        (carry, (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]))."""
+    def __call__(self, carry: Carry, row: dict, ctx: dict) -> tuple[Carry, tuple, object]:
+        """carry, schedule row {first_write, attn_visible, mlp_visible, boundary}, context
+        {"rope": (cos, sin) [B,T,hd], "cache": LayerCache or None} ->
+        (carry, (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or () for the
+        baseline, the updated LayerCache or None)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         carry = {**carry, "h": constrain(carry["h"], ("batch", "seq", "act_embed"))}
         h = carry["h"]
         variant = cfg.residual
         if variant == "baseline":
-            h = h + self.attention(h, rope)
+            a, cache = self.attention(h, ctx)
+            h = h + a
             h = h + self.feed_forward(h)
-            return {**carry, "h": h}, ()
+            return {**carry, "h": h}, (), cache
 
         if variant == "full":
             slot = row["first_write"]
             x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"])
             carry = commit(carry, slot, h, eps)
-            carry["h"] = self.attention(x, rope)
+            carry["h"], cache = self.attention(x, ctx)
             x, w_mlp = self.replacement_input(self.mlp_site, carry, row["mlp_visible"])
             carry = commit(carry, slot + 1, carry["h"], eps)
             carry["h"] = self.feed_forward(x)
-            return carry, (w_attn, w_mlp)
+            return carry, (w_attn, w_mlp), cache
 
         if variant == "block":
             boundary = row["boundary"]
             x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"])
             carry = commit(carry, row["first_write"], h, eps, when=boundary)
-            partial = jnp.where(boundary, jnp.zeros_like(h), h) + self.attention(x, rope)
+            a, cache = self.attention(x, ctx)
+            partial = jnp.where(boundary, jnp.zeros_like(h), h) + a
             carry["h"] = partial
             x, w_mlp = self.replacement_input(self.mlp_site, carry, row["mlp_visible"])
             carry["h"] = partial + self.feed_forward(x)
-            return carry, (w_attn, w_mlp)
+            return carry, (w_attn, w_mlp), cache
 
         if variant == "delta":
             slot = row["first_write"]
             x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"])
-            a = self.attention(x, rope)
+            a, cache = self.attention(x, ctx)
             carry = commit(carry, slot, a, eps)
             carry["h"] = h + a
             x, w_mlp = self.additive_input(self.mlp_site, carry, row["mlp_visible"])
             m = self.feed_forward(x)
             carry = commit(carry, slot + 1, m, eps)
             carry["h"] = carry["h"] + m
-            return carry, (w_attn, w_mlp)
+            return carry, (w_attn, w_mlp), cache
 
         if variant == "delta_block":
             boundary, slot = row["boundary"], row["first_write"]
             x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"])
-            a = self.attention(x, rope)
+            a, cache = self.attention(x, ctx)
             # Unwritten slots are zero, so both rules give h itself for the first block.
             if cfg.block_sources == "reference":
                 previous = jax.lax.dynamic_index_in_dim(carry["buf"], jnp.maximum(slot - 1, 0),
@@ -127,6 +132,6 @@ class DecoderLayer(nnx.Module):
             carry["h"] = h + a
             x, w_mlp = self.additive_input(self.mlp_site, carry, row["mlp_visible"])
             carry["h"] = carry["h"] + self.feed_forward(x)
-            return carry, (w_attn, w_mlp)
+            return carry, (w_attn, w_mlp), cache
 
         raise ValueError(f"unknown residual variant {variant!r}")

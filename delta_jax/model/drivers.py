@@ -53,12 +53,12 @@ def run_unrolled(step, params, carry, rows: dict):
         params_l = jax.tree.map(lambda x: x[index], params)
         carry, out = step(params_l, carry, {k: v[index] for k, v in rows.items()})
         outputs.append(out)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs) if outputs[0] != () else ()
-    return carry, stacked
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
 
 def run_lean(step, params, carry, rows: dict):
-    """Forward like run_scan but with the O(S) backward; layer outputs are not returned."""
+    """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
+    weights, no cache): callers that need them use run_scan."""
     num_layers = len(rows["first_write"])
     indices = jnp.arange(num_layers)
     first_write = jnp.asarray(rows["first_write"])
@@ -100,7 +100,7 @@ def run_lean(step, params, carry, rows: dict):
         return d_params, d_carry
 
     lean.defvjp(forward, backward)
-    return lean(params, carry), ()
+    return lean(params, carry), ((), None)
 
 
 DRIVERS = {"scan": run_scan, "lean": run_lean, "unrolled": run_unrolled}

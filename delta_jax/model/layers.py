@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from delta_jax.sharding import constrain
 
@@ -97,14 +97,50 @@ class Attention(nnx.Module):
         """[B,T,H,hd] -> [B,T,D]."""
         return jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """x [B,T,D] -> [B,T,D], causal over T."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 cache: "LayerCache | None" = None):
+        """x [B,T,D] -> ([B,T,D], the updated LayerCache or None), causal over T.
+
+        With a cache, the T new tokens sit at cache positions [length, length + T) and attend
+        to every cached key from their row's `start` up to themselves.
+        """
         q, k, v = self.project_qkv(x, cos, sin)
         q = constrain(q, ("batch", "seq", "act_heads", None))
-        # The XLA path runs everywhere; on GPUs with cuDNN it may be swapped for the fused kernel.
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                scale=self.head_dim ** -0.5)
-        return self.output(attended)
+        scale = self.head_dim ** -0.5
+        if cache is None:
+            # The XLA path runs everywhere; on GPUs jax may pick cuDNN's fused kernel.
+            return self.output(jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                            scale=scale)), None
+        cache = cache.append(k, v)
+        attended = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=cache.mask(q.shape[1]),
+                                                scale=scale)
+        return self.output(attended), cache
+
+
+@struct.dataclass
+class LayerCache:
+    """One layer's keys and values for decoding.
+
+    k, v [B,S,K,hd] (S the cache capacity); length: tokens already written (scalar int32);
+    start [B] int32: the first real position of each row (left padding before it is masked).
+    """
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+    start: jax.Array
+
+    def append(self, k: jax.Array, v: jax.Array) -> "LayerCache":
+        """Write k, v [B,T,K,hd] at [length, length + T); length itself advances in the model."""
+        index = (0, self.length, 0, 0)
+        return self.replace(k=jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), index),
+                            v=jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), index))
+
+    def mask(self, num_new: int) -> jax.Array:
+        """[B,1,T,S] bool: causal over the cache, rows' padding hidden (each query sees itself)."""
+        query = self.length + jnp.arange(num_new)[:, None]
+        key = jnp.arange(self.k.shape[1])[None, :]
+        visible = (key <= query)[None] & (key >= self.start[:, None, None])
+        return (visible | (key == query)[None])[:, None]
 
 
 class MLP(nnx.Module):
