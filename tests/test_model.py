@@ -1,0 +1,224 @@
+"""Model properties beyond the golden files: shapes, source counts, the three layer drivers,
+zero-query equivalences, parameter counts and config validation."""
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from delta_jax import CausalLM, ModelConfig, count_params, init_model
+from reference_forward import reference_forward
+
+VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
+IDS = jax.random.randint(jax.random.key(0), (2, 12), 0, 128)
+
+
+def tiny(**overrides):
+    return ModelConfig.tiny(init_std=0.2, **overrides)
+
+
+def expected_site_sources(residual: str, num_layers: int, num_blocks: int):
+    """SPEC.md section 3, counted by hand: [(attn, mlp) per layer], final."""
+    lpb = max(1, math.ceil(num_layers / num_blocks))
+    blocks_before = lambda l: sum(1 for k in range(l) if k % lpb == 0)
+    if residual == "full":
+        return [(2 * l + 1, 2 * l + 2) for l in range(num_layers)], 2 * num_layers + 1
+    if residual == "block":
+        return ([(blocks_before(l) + 1, blocks_before(l + 1) + 1) for l in range(num_layers)],
+                blocks_before(num_layers) + 1)
+    if residual == "delta":
+        return [(2 * l + 1 if l else 0, 2 * l + 2) for l in range(num_layers)], 0
+    if residual == "delta_block":
+        return [(blocks_before(l), blocks_before(l + 1)) for l in range(num_layers)], 0
+    return [(0, 0)] * num_layers, 0
+
+
+@pytest.mark.parametrize("residual", VARIANTS[1:])
+@pytest.mark.parametrize("num_layers,num_blocks", [(4, 2), (5, 2), (6, 4), (3, 8)])
+def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
+    cfg = tiny(residual=residual, num_layers=num_layers, num_blocks=num_blocks)
+    model = init_model(cfg, 1)
+    _, routing = model(IDS[:, :6], return_routing=True)
+    sites, final = expected_site_sources(residual, num_layers, num_blocks)
+    np.testing.assert_array_equal(routing.num_sources, np.array(sites))
+    assert routing.final_sources == final
+    for l, (attn, mlp) in enumerate(sites):
+        for s, count in ((0, attn), (1, mlp)):
+            weights = routing.site_weights(l, s)
+            chex.assert_shape(weights, (count, 2, 6))
+            # the padded weights hold exactly `count` live slots, summing to one per token
+            padded = np.asarray(routing.weights[l, s])
+            if count:
+                np.testing.assert_allclose(padded.sum(0), 1.0, atol=1e-6)
+                assert (padded > 0).sum(0).max() == count
+
+
+@pytest.mark.parametrize("config", [
+    dict(residual="delta_block", block_sources="paper", num_layers=5, num_blocks=2),
+    dict(residual="delta_block", block_sources="reference", num_layers=5, num_blocks=3),
+    dict(residual="delta", null_source=True, routing_gate=True),
+    dict(residual="delta_block", null_source=True, num_layers=6, num_blocks=3),
+    dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True),
+    dict(residual="full", num_layers=3),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_scan_matches_literal_spec(config):
+    """Configs the golden files do not cover, against a list-based transcription of the spec."""
+    model = init_model(tiny(**config), 2)
+    for site in ("attn_site", "mlp_site"):  # move gates and null sources off their zero init
+        layer_site = getattr(model.layers, site)
+        if layer_site.gate is not None:
+            layer_site.gate[...] = jnp.full(layer_site.gate.shape, 0.7)
+        if layer_site.null is not None:
+            layer_site.null[...] = jax.random.normal(jax.random.key(3), layer_site.null.shape)
+    logits, routing = jax.jit(lambda ids: model(ids, return_routing=True))(IDS)
+    want_logits, want_calls = reference_forward(model, IDS)
+    np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+    calls = routing.calls()
+    assert [c.shape for c in calls] == [c.shape for c in want_calls]
+    for ours, theirs in zip(calls, want_calls):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_public_output_shapes():
+    cfg = tiny(residual="block", num_layers=3, num_blocks=2, tie_word_embeddings=False)
+    model = init_model(cfg, 0)
+    logits, routing, hidden = model(IDS, return_routing=True, return_hidden=True)
+    chex.assert_shape(logits, (2, 12, 128))
+    chex.assert_shape(hidden, (2, 12, 32))
+    n_pad = model.schedule.num_slots + 1  # committed slots + the live partial
+    chex.assert_shape(routing.weights, (3, 2, n_pad, 2, 12))
+    chex.assert_shape(routing.final, (n_pad, 2, 12))
+    stats = routing.statistics()
+    for key in ("max_weight", "entropy", "normalized_entropy"):
+        chex.assert_shape(stats[key], (3, 2))
+        chex.assert_shape(stats["final_" + key], ())
+        chex.assert_tree_all_finite(stats[key])
+    cache = model.init_cache(2, 16)
+    step_logits, cache = model(IDS[:, :4], cache=cache)
+    chex.assert_shape(step_logits, (2, 4, 128))
+    chex.assert_shape([cache.k, cache.v], [(3, 2, 16, 2, 8)] * 2)
+    assert int(cache.length) == 4
+
+
+def test_routing_statistics_definitions():
+    model = init_model(tiny(residual="delta"), 4)
+    _, routing = model(IDS, return_routing=True)
+    stats = routing.statistics()
+    alpha = np.asarray(routing.site_weights(2, 1), np.float64)  # [N,B,T]
+    entropy = -(alpha * np.log(alpha)).sum(0).mean()
+    np.testing.assert_allclose(stats["max_weight"][2, 1], alpha.max(0).mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["entropy"][2, 1], entropy, rtol=1e-5)
+    np.testing.assert_allclose(stats["normalized_entropy"][2, 1],
+                               entropy / np.log(alpha.shape[0]), rtol=1e-5)
+    assert np.isnan(stats["max_weight"][0, 0])  # delta's layer-0 attention site is unused
+
+
+def _loss_and_grads(cfg, driver):
+    model = init_model(cfg, 5)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p):
+        logits = nnx.merge(graphdef, p, rest)(IDS[:, :-1], driver=driver)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, IDS[:, 1:]).mean()
+
+    return jax.jit(jax.value_and_grad(loss_fn))(params)
+
+
+def _relative_error(a, b):
+    return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(a.ravel()) + 1e-30))
+
+
+@pytest.mark.parametrize("residual", VARIANTS)
+def test_gradients_scan_and_lean_equal_unrolled(residual):
+    """Relative 1e-5 over the whole gradient; 1e-4 per parameter (float32 sums of thousands of
+    terms in another order differ by a few 1e-6 relative, more for near-cancelling scalars)."""
+    extra = dict(null_source=True, routing_gate=True) if residual.startswith("delta") else {}
+    cfg = ModelConfig.tiny(residual=residual, num_layers=3, num_blocks=2, **extra)
+    want_loss, want = _loss_and_grads(cfg, "unrolled")
+    want_flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])
+    for driver in ("scan", "lean"):
+        loss, grads = _loss_and_grads(cfg, driver)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+        assert _relative_error(want_flat, flat) < 1e-5, driver
+        for (path, g), g_want in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                     jax.tree.leaves(want)):
+            if float(jnp.abs(g_want).max()) == 0.0:  # e.g. the queries behind a zero gate
+                assert float(jnp.abs(g).max()) == 0.0, (driver, jax.tree_util.keystr(path))
+            else:
+                assert _relative_error(g_want, g) < 1e-4, (driver, jax.tree_util.keystr(path))
+
+
+def _with_params_of(target: CausalLM, source: CausalLM) -> CausalLM:
+    """Copy every parameter both models have (same path) from source into target."""
+    src = nnx.state(source, nnx.Param).flat_state()
+    dst = nnx.state(target, nnx.Param)
+    flat = dst.flat_state()
+    for path, variable in flat:
+        if path in dict(src):
+            variable.set_value(dict(src)[path].get_value())
+    nnx.update(target, nnx.State.from_flat_path(flat))
+    return target
+
+
+def _zero_query_differences(**config):
+    baseline = init_model(tiny(residual="baseline", **config), 6)
+    want = baseline(IDS)
+    differences = {}
+    for residual in VARIANTS[1:]:
+        cfg = tiny(residual=residual, router_init="zeros", **config)
+        model = _with_params_of(init_model(cfg, 7), baseline)
+        differences[residual] = float(jnp.abs(model(IDS) - want).max())
+    return differences
+
+
+def test_zero_queries_give_the_baseline_except_delta_block(capsys):
+    """Uniform weights route the mean of sources that sum to the baseline's residual state, and
+    the next RMSNorm removes the 1/N: exact up to RMSNorm's eps, which then acts as N^2 eps.
+    With eps -> 0 the identity is checked to float32 rounding; at eps 1e-6 the gap is printed."""
+    exact = _zero_query_differences(rms_norm_eps=1e-12)
+    with_eps = _zero_query_differences()
+    with capsys.disabled():
+        for name, diffs in (("eps 1e-12", exact), ("eps 1e-6", with_eps)):
+            print(f"\nmax |logits - baseline| with zero queries, {name}: " +
+                  ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    for residual in ("block", "full", "delta"):
+        assert exact[residual] < 1e-5, residual
+    # delta_block routes over the previous blocks only: a real change of the function
+    assert exact["delta_block"] > 1e-1
+
+
+@pytest.mark.parametrize("name,expected,tolerance", [
+    ("220m", 220.5e6, 0.05e6), ("533m", 533.1e6, 0.05e6), ("1044m", 1043.9e6, 0.05e6),
+    ("qwen3-0.6b", 596e6, 0.5e6), ("8b", 7.57e9, 0.005e9)])
+def test_preset_parameter_counts(name, expected, tolerance):
+    count = count_params(ModelConfig.preset(name, residual="baseline"))
+    assert abs(count - expected) <= tolerance, f"{name}: {count:,}"
+    routed = count_params(ModelConfig.preset(name, residual="block"))
+    cfg = ModelConfig.preset(name)
+    assert routed - count == (4 * cfg.num_layers + 2) * cfg.hidden_size
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(num_heads=6, num_kv_heads=4), r"num_heads=6 .*multiple of num_kv_heads=4"),
+    (dict(num_blocks=0), r"num_blocks=0 .*integer >= 1"),
+    (dict(residual="resnet"), r"residual='resnet' .*baseline, block, full, delta, delta_block"),
+    (dict(block_sources="both"), r"block_sources='both' .*reference, paper"),
+    (dict(router_init="xavier"), r"router_init='xavier' .*normal, zeros"),
+    (dict(hidden_size=0), r"hidden_size=0 .*positive integer"),
+    (dict(dtype="float8"), r"dtype='float8' .*float32, bfloat16, float16"),
+    (dict(residual="block", null_source=True), r"null_source=True .*residual='block'"),
+    (dict(residual="baseline", routing_gate=True), r"routing_gate=True .*baseline"),
+])
+def test_bad_configs_name_field_value_and_allowed(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.tiny(**changes)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match=r"unknown model preset 'huge'.*220m"):
+        ModelConfig.preset("huge")
