@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx, struct
 
 from delta_jax.config import ModelConfig
-from delta_jax.model.decoder import DecoderLayer, commit
+from delta_jax.model.decoder import DecoderLayer, apply_writes, make_write
 from delta_jax.model.drivers import DRIVERS, with_remat
 from delta_jax.model.layers import LayerCache, RMSNorm, dtype_of, make_param, rope_tables
 from delta_jax.model.routing import RoutingSite, weight_statistics
@@ -154,7 +154,7 @@ class CausalLM(nnx.Module):
             "rinv": jnp.zeros((plan.num_slots, batch, length), jnp.float32),
         }
         if plan.embedding_in_slot0:
-            carry = commit(carry, 0, embeddings, cfg.rms_norm_eps)
+            carry = apply_writes(carry, (make_write(embeddings, 0, cfg.rms_norm_eps),))
 
         driver = driver or cfg.layer_driver
         if (return_routing or cache is not None) and driver == "lean":
@@ -165,13 +165,13 @@ class CausalLM(nnx.Module):
         def step(inputs, c, row):
             params_l, kv = (inputs, None) if cache is None else inputs
             layer_cache = None if kv is None else cache.replace(k=kv[0], v=kv[1])
-            c, weights, layer_cache = nnx.merge(graphdef, params_l)(
+            h, writes, weights, layer_cache = nnx.merge(graphdef, params_l)(
                 c, row, {"rope": rope, "cache": layer_cache})
             kv = None if layer_cache is None else (layer_cache.k, layer_cache.v)
-            return c, (weights, kv)
+            return h, writes, (weights, kv)
 
         rows = {"first_write": plan.first_write, "attn_visible": plan.attn_visible,
-                "mlp_visible": plan.mlp_visible, "boundary": plan.boundary}
+                "boundary": plan.boundary}
         carry, (site_weights, kv) = DRIVERS[driver](with_remat(step, cfg.remat), layer_inputs,
                                                     carry, rows)
         if cache is not None:

@@ -15,25 +15,30 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from delta_jax.model.layers import MLP, Attention, RMSNorm, dtype_of
-from delta_jax.model.routing import RoutingSite, inverse_rms
+from delta_jax.model.routing import RoutingSite, Write, inverse_rms
 from delta_jax.sharding import constrain
 
 Carry = dict  # {"h": [B,T,D], "buf": [S,B,T,D], "rinv": [S,B,T]}
 
 
-def commit(carry: Carry, slot, value: jax.Array, eps: float, when=True) -> Carry:
-    """Write `value` [B,T,D] into buffer slot `slot` (if `when`; else rewrite what is there)."""
+def make_write(value: jax.Array, slot, eps: float, when=True, dtype=None) -> Write:
+    value = value.astype(dtype or value.dtype)
+    return Write(value, inverse_rms(value, eps), slot, when)
+
+
+def apply_writes(carry: Carry, writes: tuple[Write, ...]) -> Carry:
+    """Commit a layer's writes to the buffer (in place inside a scan)."""
     buf, rinv = carry["buf"], carry["rinv"]
-    value = value.astype(buf.dtype)
-    if when is not True:
-        value = jnp.where(when, value, jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False))
-    new_rinv = inverse_rms(value, eps)
-    if when is not True:
-        new_rinv = jnp.where(when, new_rinv,
-                             jax.lax.dynamic_index_in_dim(rinv, slot, keepdims=False))
-    return {**carry,
-            "buf": jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0),
-            "rinv": jax.lax.dynamic_update_index_in_dim(rinv, new_rinv, slot, 0)}
+    for write in writes:
+        value, r = write.value.astype(buf.dtype), write.rinv
+        if write.when is not True:  # an unwritten slot keeps what it holds (zeros)
+            value = jnp.where(write.when, value,
+                              jax.lax.dynamic_index_in_dim(buf, write.slot, keepdims=False))
+            r = jnp.where(write.when, r,
+                          jax.lax.dynamic_index_in_dim(rinv, write.slot, keepdims=False))
+        buf = jax.lax.dynamic_update_index_in_dim(buf, value, write.slot, 0)
+        rinv = jax.lax.dynamic_update_index_in_dim(rinv, r, write.slot, 0)
+    return {**carry, "buf": buf, "rinv": rinv}
 
 
 class DecoderLayer(nnx.Module):
@@ -58,80 +63,83 @@ class DecoderLayer(nnx.Module):
     def feed_forward(self, x):
         return checkpoint_name(self.mlp(self.post_attention_layernorm(x)), "mlp_out")
 
-    def additive_input(self, site: RoutingSite, carry: Carry, visible):
+    def additive_input(self, site: RoutingSite, carry: Carry, visible, h, fresh=None):
         """Delta modes: h + mix (gated); the identity when the site sees no source."""
-        h = carry["h"]
-        mix, weights = site(carry["buf"], carry["rinv"], visible)
+        mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh)
         return site.gated(h, h + mix), weights
 
-    def replacement_input(self, site: RoutingSite, carry: Carry, visible):
+    def replacement_input(self, site: RoutingSite, carry: Carry, visible, live, fresh=None):
         """AttnRes modes: the routed mix over committed sources plus the live state."""
-        mix, weights = site(carry["buf"], carry["rinv"], visible, live=carry["h"])
-        return site.gated(carry["h"], mix), weights
+        mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh, live=live)
+        return site.gated(live, mix), weights
 
     # The layer ---------------------------------------------------------------------------
-    def __call__(self, carry: Carry, row: dict, ctx: dict) -> tuple[Carry, tuple, object]:
-        """carry, schedule row {first_write, attn_visible, mlp_visible, boundary}, context
-        {"rope": (cos, sin) [B,T,hd], "cache": LayerCache or None} ->
-        (carry, (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or () for the
-        baseline, the updated LayerCache or None)."""
+    def __call__(self, carry: Carry, row: dict, ctx: dict):
+        """carry (its buffer read-only), schedule row {first_write, attn_visible, boundary},
+        context {"rope": (cos, sin) [B,T,hd], "cache": LayerCache or None} ->
+        (h [B,T,D], writes: tuple of Write for the driver to commit,
+         (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or () (baseline),
+         the updated LayerCache or None).
+
+        The layer never writes the buffer itself: its MLP site sees this layer's own write as a
+        `fresh` source. Buffer reads are then linear in a loop-invariant array, which lets the
+        lean backward pass accumulate their cotangents in place instead of copying the buffer.
+        """
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        carry = {**carry, "h": constrain(carry["h"], ("batch", "seq", "act_embed"))}
-        h = carry["h"]
+        h = constrain(carry["h"], ("batch", "seq", "act_embed"))
+        dtype = carry["buf"].dtype
+        slot = row["first_write"]
         variant = cfg.residual
         if variant == "baseline":
             a, cache = self.attention(h, ctx)
             h = h + a
-            h = h + self.feed_forward(h)
-            return {**carry, "h": h}, (), cache
+            return h + self.feed_forward(h), (), (), cache
 
         if variant == "full":
-            slot = row["first_write"]
-            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"])
-            carry = commit(carry, slot, h, eps)
-            carry["h"], cache = self.attention(x, ctx)
-            x, w_mlp = self.replacement_input(self.mlp_site, carry, row["mlp_visible"])
-            carry = commit(carry, slot + 1, carry["h"], eps)
-            carry["h"] = self.feed_forward(x)
-            return carry, (w_attn, w_mlp), cache
+            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h)
+            first = make_write(h, slot, eps, dtype=dtype)
+            c, cache = self.attention(x, ctx)
+            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, c, fresh=first)
+            second = make_write(c, slot + 1, eps, dtype=dtype)
+            return self.feed_forward(x), (first, second), (w_attn, w_mlp), cache
 
         if variant == "block":
             boundary = row["boundary"]
-            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"])
-            carry = commit(carry, row["first_write"], h, eps, when=boundary)
+            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h)
+            committed = make_write(h, slot, eps, when=boundary, dtype=dtype)
             a, cache = self.attention(x, ctx)
             partial = jnp.where(boundary, jnp.zeros_like(h), h) + a
-            carry["h"] = partial
-            x, w_mlp = self.replacement_input(self.mlp_site, carry, row["mlp_visible"])
-            carry["h"] = partial + self.feed_forward(x)
-            return carry, (w_attn, w_mlp), cache
+            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, partial,
+                                              fresh=committed)
+            return partial + self.feed_forward(x), (committed,), (w_attn, w_mlp), cache
 
         if variant == "delta":
-            slot = row["first_write"]
-            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"])
+            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"], h)
             a, cache = self.attention(x, ctx)
-            carry = commit(carry, slot, a, eps)
-            carry["h"] = h + a
-            x, w_mlp = self.additive_input(self.mlp_site, carry, row["mlp_visible"])
+            first = make_write(a, slot, eps, dtype=dtype)
+            h = h + a
+            x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=first)
             m = self.feed_forward(x)
-            carry = commit(carry, slot + 1, m, eps)
-            carry["h"] = carry["h"] + m
-            return carry, (w_attn, w_mlp), cache
+            second = make_write(m, slot + 1, eps, dtype=dtype)
+            return h + m, (first, second), (w_attn, w_mlp), cache
 
         if variant == "delta_block":
-            boundary, slot = row["boundary"], row["first_write"]
-            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"])
+            boundary = row["boundary"]
+            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"], h)
             a, cache = self.attention(x, ctx)
-            # Unwritten slots are zero, so both rules give h itself for the first block.
+            # Unwritten slots are zero in the forward pass, so both rules give h itself for the
+            # first block; the masks keep them right over the final buffer in the lean backward.
+            buf = carry["buf"]
             if cfg.block_sources == "reference":
-                previous = jax.lax.dynamic_index_in_dim(carry["buf"], jnp.maximum(slot - 1, 0),
-                                                        keepdims=False)
+                previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
+                    buf, jnp.maximum(slot - 1, 0), keepdims=False), 0)
             else:
-                previous = jnp.sum(carry["buf"], axis=0)
-            carry = commit(carry, slot, h - previous.astype(h.dtype), eps, when=boundary)
-            carry["h"] = h + a
-            x, w_mlp = self.additive_input(self.mlp_site, carry, row["mlp_visible"])
-            carry["h"] = carry["h"] + self.feed_forward(x)
-            return carry, (w_attn, w_mlp), cache
+                before = jnp.arange(buf.shape[0]) < slot
+                previous = jnp.sum(jnp.where(before[:, None, None, None], buf, 0), axis=0)
+            committed = make_write(h - previous.astype(h.dtype), slot, eps, when=boundary,
+                                   dtype=dtype)
+            h = h + a
+            x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=committed)
+            return h + self.feed_forward(x), (committed,), (w_attn, w_mlp), cache
 
         raise ValueError(f"unknown residual variant {variant!r}")

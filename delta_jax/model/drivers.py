@@ -10,13 +10,16 @@
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; `params` is the nnx.State of the stacked layers (leading axis L);
-`step(params_l, carry, row) -> (carry, outputs)` runs one layer; `rows` holds the schedule
+`step(params_l, carry, row) -> (h, writes, outputs)` runs one layer, reading the buffer and
+returning its writes (decoder.py), which the driver commits; `rows` holds the schedule
 columns [L] (schedule.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from delta_jax.model.decoder import apply_writes
 
 REMAT_POLICIES = {
     "none": None,
@@ -37,10 +40,15 @@ def _row(rows: dict, index) -> dict:
     return {k: jnp.asarray(v)[index] for k, v in rows.items()}
 
 
+def _advance(step, params_l, carry, row):
+    h, writes, outputs = step(params_l, carry, row)
+    return apply_writes({**carry, "h": h}, writes), outputs
+
+
 def run_scan(step, params, carry, rows: dict):
     def body(c, xs):
         params_l, index = xs
-        return step(params_l, c, _row(rows, index))
+        return _advance(step, params_l, c, _row(rows, index))
 
     num_layers = len(next(iter(rows.values())))
     return jax.lax.scan(body, carry, (params, jnp.arange(num_layers)))
@@ -51,7 +59,7 @@ def run_unrolled(step, params, carry, rows: dict):
     num_layers = len(next(iter(rows.values())))
     for index in range(num_layers):
         params_l = jax.tree.map(lambda x: x[index], params)
-        carry, out = step(params_l, carry, {k: v[index] for k, v in rows.items()})
+        carry, out = _advance(step, params_l, carry, {k: v[index] for k, v in rows.items()})
         outputs.append(out)
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
@@ -59,12 +67,10 @@ def run_unrolled(step, params, carry, rows: dict):
 def run_lean(step, params, carry, rows: dict):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan."""
-    num_layers = len(rows["first_write"])
-    indices = jnp.arange(num_layers)
-    first_write = jnp.asarray(rows["first_write"])
+    indices = jnp.arange(len(rows["first_write"]))
 
     def layer(params_l, c, index):
-        return step(params_l, c, _row(rows, index))[0]
+        return _advance(step, params_l, c, _row(rows, index))[0]
 
     @jax.custom_vjp
     def lean(params, carry):
@@ -78,21 +84,27 @@ def run_lean(step, params, carry, rows: dict):
 
     def backward(residuals, final_cotangent):
         params, h_inputs, final = residuals
-        slots = jnp.arange(final["buf"].shape[0])
 
         def body(cotangent, xs):
             params_l, h_in, index = xs
-            # Layer `index` saw the slots written before it; the others were still zero.
-            written = slots < first_write[index]
-            carry_in = {
-                "h": h_in,
-                "buf": jnp.where(written[:, None, None, None], final["buf"],
-                                 jnp.zeros((), final["buf"].dtype)),
-                "rinv": jnp.where(written[:, None, None], final["rinv"], 0.0),
-            }
-            _, vjp = jax.vjp(lambda p, c: layer(p, c, index), params_l, carry_in)
-            d_params, d_carry = vjp(cotangent)
-            return d_carry, d_params
+            row = _row(rows, index)
+
+            def layer_reads(p, h, buf, rinv):
+                # Over the final buffer: the slots layer `index` had not yet seen are masked in
+                # its sites, so reading them changes nothing and passes them no gradient.
+                h_out, writes, _ = step(p, {"h": h, "buf": buf, "rinv": rinv}, row)
+                return ((h_out, [(w.value, w.rinv) for w in writes]),
+                        [(w.slot, w.when) for w in writes])
+
+            _, vjp, slots = jax.vjp(layer_reads, params_l, h_in, final["buf"], final["rinv"],
+                                    has_aux=True)
+            # A written value's cotangent is what later layers' reads left in its slot.
+            d_writes = [tuple(jnp.where(when, jax.lax.dynamic_index_in_dim(
+                cotangent[key], slot, keepdims=False), 0) for key in ("buf", "rinv"))
+                for slot, when in slots]
+            d_params, d_h, d_buf, d_rinv = vjp((cotangent["h"], d_writes))
+            return {"h": d_h, "buf": cotangent["buf"] + d_buf,
+                    "rinv": cotangent["rinv"] + d_rinv}, d_params
 
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
         d_carry, d_params = jax.lax.scan(body, final_cotangent, (params, h_inputs, indices),

@@ -9,11 +9,22 @@ replacement modes, appended). Padded weight layout of a site: [null?] + S slots 
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from delta_jax.model.layers import make_param
+
+
+class Write(NamedTuple):
+    """A source a layer commits to the buffer: value [B,T,D], its inverse RMS [B,T] float32,
+    the slot, and whether it is written at all (a traced bool for block boundaries)."""
+    value: jax.Array
+    rinv: jax.Array
+    slot: Any
+    when: Any = True
 
 
 class RoutingSite(nnx.Module):
@@ -33,40 +44,57 @@ class RoutingSite(nnx.Module):
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
                      if cfg.routing_gate else None)
 
-    def __call__(self, buffer: jax.Array, inv_rms: jax.Array, num_valid,
-                 live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Route over buffer slots [0, num_valid) plus null and live sources.
+    def __call__(self, buffer: jax.Array, inv_rms: jax.Array, num_valid, *,
+                 fresh: "Write | None" = None, live: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """Route over buffer slots [0, num_valid), a source `fresh`ly written by this layer
+        (slot num_valid, not yet in the read-only buffer), and the null and live sources.
 
         buffer [S,B,T,D], inv_rms [S,B,T] float32, num_valid int (static or traced),
-        live [B,T,D] or None -> mix [B,T,D] in buffer dtype, weights [N_pad,B,T] float32
-        (zero on unused slots; all zero, and mix zero, when the site sees no source).
+        live [B,T,D] or None -> mix [B,T,D] in buffer dtype, weights [N_pad,B,T] float32 in
+        the padded layout (zero on unused slots; all zero, and mix zero, with no source).
+        Slots at or past num_valid may hold later sources (the lean backward pass reads the
+        final buffer): they are masked out of the softmax and get no gradient.
         """
         wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
+        num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
         logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
                                        preferred_element_type=jnp.float32)]
-        valid = [jnp.arange(buffer.shape[0]) < num_valid]
-        batch_shape = buffer.shape[1:3]
+        valid = [jnp.arange(num_slots) < num_valid]
+        extra = []  # (name, [B,T,D] or [D] value) of the sources outside the buffer
         if self.null is not None:
             null = self.null[...].astype(jnp.float32)
             null_logit = jnp.dot(null, wg) * jax.lax.rsqrt(jnp.mean(null * null) + self.eps)
             logits.insert(0, jnp.broadcast_to(null_logit, (1, *batch_shape)))
             valid.insert(0, jnp.ones((1,), bool))
-        if live is not None:
-            logits.append((inverse_rms(live, self.eps) * jnp.einsum(
-                "btd,d->bt", live, wg.astype(live.dtype),
-                preferred_element_type=jnp.float32))[None])
-            valid.append(jnp.ones((1,), bool))
+        for name, value, rinv, ok in (
+                ("fresh", *((fresh.value, fresh.rinv, fresh.when) if fresh else (None,) * 3)),
+                ("live", live, None if live is None else inverse_rms(live, self.eps), True)):
+            if value is None:
+                continue
+            logits.append((rinv * jnp.einsum("btd,d->bt", value, wg.astype(value.dtype),
+                                             preferred_element_type=jnp.float32))[None])
+            valid.append(jnp.full((1,), ok, bool))
+            extra.append((name, value))
         weights = masked_softmax(jnp.concatenate(logits), jnp.concatenate(valid))
 
-        offset = 1 if self.null is not None else 0
-        slot_weights = weights[offset:offset + buffer.shape[0]]
+        null_weight, weights = ((weights[0], weights[1:]) if self.null is not None
+                                else (None, weights))
+        slot_weights, extra_weights = weights[:num_slots], weights[num_slots:]
         mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
                          preferred_element_type=jnp.float32)
-        if self.null is not None:
-            mix = mix + weights[0][..., None] * self.null[...].astype(jnp.float32)
+        if null_weight is not None:
+            mix = mix + null_weight[..., None] * null
+        padded = [] if null_weight is None else [null_weight[None]]
+        for (name, value), weight in zip(extra, extra_weights):
+            mix = mix + weight[..., None] * value.astype(jnp.float32)
+            if name == "fresh":  # report it at the slot it is being written to
+                slot_weights = slot_weights + jax.nn.one_hot(num_valid, num_slots)[:, None,
+                                                                                   None] * weight
+        padded.append(slot_weights)
         if live is not None:
-            mix = mix + weights[-1][..., None] * live.astype(jnp.float32)
-        return mix.astype(buffer.dtype), weights
+            padded.append(extra_weights[-1:])
+        return mix.astype(buffer.dtype), jnp.concatenate(padded)
 
     def gated(self, base: jax.Array, routed: jax.Array) -> jax.Array:
         """The sublayer's input before its RMSNorm: routed, or (1-a)*base + a*routed."""
