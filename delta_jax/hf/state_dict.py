@@ -1,17 +1,31 @@
-"""Build a model from Hugging Face tensors (torch layout) and back, through the key table."""
+"""Build a model from Hugging Face tensors (torch layout) and back, through the key table.
+
+Conventions: L layers. "HF layout": one torch-layout tensor per Hugging Face name (per layer);
+"our layout": the nnx.State, per-layer tensors stacked on a leading L axis. Tensors are read and
+converted one key-table rule at a time, so the host holds one stacked parameter beyond the model.
+A *conversion* turns a plain Qwen3 checkpoint into a routing variant: the backbone comes from the
+checkpoint and only the routing parameters it lacks are initialised (`plan_conversion`).
+"""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
-from delta_jax.hf.keymap import (ConversionError, KeyRule, active_rules, config_from_hf,
-                                 expected_hf_keys, hf_names)
+from delta_jax.hf.keymap import (ATTNRES, ConversionError, KeyRule, active_rules,
+                                 config_from_hf, expected_hf_keys, hf_names, hf_shape)
 from delta_jax.model.causal_lm import CausalLM
+from delta_jax.model.routing import RoutingSite
+from delta_jax.sharding import state_shardings
+
+# The fields that define a checkpoint's routing; a qwen3_attnres checkpoint fixes them.
+ROUTING_FIELDS = ("residual", "num_blocks", "block_sources", "null_source", "routing_gate")
 
 
 def _get_path(tree, path: tuple[str, ...]):
@@ -22,6 +36,61 @@ def _get_path(tree, path: tuple[str, ...]):
 
 def abstract_model(cfg: ModelConfig) -> CausalLM:
     return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def plan_conversion(hf_config: Mapping[str, Any], *, source: str, preserve_function: bool = False,
+                    **overrides: Any) -> tuple[ModelConfig, ModelConfig]:
+    """config.json dict + overrides -> (target config, config of what the checkpoint holds).
+
+    A plain Qwen3 checkpoint becomes any variant through overrides (residual, num_blocks,
+    block_sources, router_init, null_source, routing_gate); the routing parameters it lacks are
+    initialised. A qwen3_attnres checkpoint keeps the routing it was trained with.
+
+    preserve_function=True picks the initialisation under which the converted model computes the
+    plain Qwen3's function at step 0 (SPEC.md section 4); every pseudo-query starts at zero
+    (router_init='zeros'), so each site weighs its sources uniformly, and:
+    - delta, delta_block: a learned gate a per site starting at zero (routing_gate=True, the
+      reference's attnres_gate_type 'learnable_alpha') makes the site's input
+      (1-a)*h + a*(h + mix) = h exactly. delta_block needs it (its sources omit the current
+      block, so uniform weights change the function); for delta it removes the eps error below.
+    - block, full: no gate (a zero gate would feed the sublayer the live partial state, not the
+      residual stream). The uniform mix is h/N and the sublayer reads RMSNorm(h/N), which equals
+      RMSNorm(h) except for the eps inside the norm: a relative error of about
+      (N^2-1)*eps / (2*mean(h^2)), visible only where the residual stream is small.
+    A pretrained Qwen3 keeps its outputs at step 0 and learns to route from the first step on.
+    """
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConversionError(f"unknown override(s) {', '.join(unknown)}: expected ModelConfig "
+                              "fields (residual, num_blocks, router_init, param_dtype, ...)")
+    is_attnres = hf_config.get("model_type") == ATTNRES
+    if is_attnres:
+        trained = config_from_hf(hf_config)
+        if preserve_function:
+            raise ConversionError(f"{source}: preserve_function applies to converting a plain "
+                                  "Qwen3 checkpoint; this one is already qwen3_attnres")
+        for field in ROUTING_FIELDS:
+            if field in overrides and overrides[field] != getattr(trained, field):
+                raise ConversionError(
+                    f"{source}: override {field}={overrides[field]!r} contradicts the "
+                    f"qwen3_attnres checkpoint ({field}={getattr(trained, field)!r}); a trained "
+                    "routing cannot be changed: convert from a plain Qwen3 instead")
+    elif preserve_function and overrides.get("residual", "baseline") != "baseline":
+        overrides = _preserving(overrides, source=source)
+    cfg = config_from_hf(hf_config, **overrides)
+    if is_attnres:
+        return cfg, cfg
+    return cfg, cfg.replace(residual="baseline", null_source=False, routing_gate=False)
+
+
+def _preserving(overrides: dict[str, Any], *, source: str) -> dict[str, Any]:
+    residual = overrides["residual"]
+    wanted = {"router_init": "zeros", "routing_gate": residual in ("delta", "delta_block")}
+    for field, value in wanted.items():
+        if field in overrides and overrides[field] != value:
+            raise ConversionError(f"{source}: preserve_function with residual={residual!r} needs "
+                                  f"{field}={value!r}, got {field}={overrides[field]!r}")
+    return {**overrides, **wanted}
 
 
 def check_keys(cfg: ModelConfig, available, *, source: str) -> None:
@@ -45,83 +114,116 @@ def _names(keys: list[str]) -> str:
     return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
+def _check_tied_copy(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, source: str) -> None:
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ConversionError(f"{source}: tie_word_embeddings=True but lm_head.weight "
+                                  "differs from model.embed_tokens.weight")
+
+
 def converted_tensors(cfg: ModelConfig, read: Callable[[str], np.ndarray], *,
                       source: str) -> Iterator[tuple[KeyRule, np.ndarray]]:
-    """Yield (rule, array in our layout, stacked over layers) reading one HF tensor at a time.
+    """Yield (rule, array in our layout and cfg.param_dtype, stacked over layers).
 
-    `read(name)` returns a numpy array in torch layout; shapes are checked against the config.
+    `read(name)` returns one tensor in HF layout; shapes are checked against the config. A rule's
+    layers are written into one preallocated stack, so the host holds that stack plus one layer.
     """
-    model = abstract_model(cfg)
-    state = nnx.state(model, nnx.Param)
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    dtype = jnp.dtype(cfg.param_dtype)
     for rule in active_rules(cfg):
         target = _get_path(state, rule.ours)
-        want_shape = tuple(target.shape[1:] if rule.per_layer else target.shape)
-        parts = []
-        for name in hf_names(rule, cfg):
+        want = tuple(target.shape[1:] if rule.per_layer else target.shape)
+        out = np.empty(target.shape, dtype)
+        for index, name in enumerate(hf_names(rule, cfg)):
             tensor = read(name)
-            converted = None
             try:
-                converted = rule.to_ours(np.asarray(tensor), cfg)
+                converted = rule.to_ours(tensor, cfg)
             except ValueError:
-                pass
-            if converted is None or converted.shape != want_shape:
-                expected_hf = rule.to_hf(np.zeros(want_shape, np.float32), cfg).shape
-                raise ConversionError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(expected_hf)} for this config")
-            parts.append(converted)
-        yield rule, (np.stack(parts) if rule.per_layer else parts[0])
+                converted = None
+            if converted is None or converted.shape != want:
+                raise ConversionError(f"{source}: tensor {name} has shape {list(tensor.shape)}, "
+                                      f"expected {list(hf_shape(rule, cfg, want))} for this config")
+            out[index if rule.per_layer else ...] = converted
+        yield rule, out
+
+
+def _fresh_routing(cfg: ModelConfig, seed: int) -> dict[tuple[str, ...], np.ndarray]:
+    """Initial values of the routing parameters alone (the backbone is never built)."""
+    rngs = nnx.Rngs(params=seed)
+    sites = {("layers", "attn_site"): RoutingSite(cfg, rngs, stack=cfg.num_layers),
+             ("layers", "mlp_site"): RoutingSite(cfg, rngs, stack=cfg.num_layers)}
+    if cfg.has_final_site:
+        sites[("final_site",)] = RoutingSite(cfg, rngs)
+    return {prefix + tuple(path): np.asarray(variable.get_value())
+            for prefix, site in sites.items()
+            for path, variable in nnx.state(site, nnx.Param).flat_state()}
 
 
 def from_converted(cfg: ModelConfig, tensors: Iterator[tuple[KeyRule, np.ndarray]], *,
-                   place: Callable[[np.ndarray, Any], jax.Array] | None = None) -> CausalLM:
-    """Assemble a model from converted tensors. `place(array, abstract_variable)` puts each on
-    its device/sharding (default: jnp.asarray in the config's param dtype)."""
-    model = abstract_model(cfg)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    dtype = jnp.dtype(cfg.param_dtype)
-    place = place or (lambda array, variable: jnp.asarray(array, dtype))
-    filled = set()
+                   mesh: Mesh | None = None, initialise_routing: bool = False,
+                   seed: int = 0) -> CausalLM:
+    """Assemble a model from converted tensors, each placed as it arrives (on its sharding of
+    `mesh` if given, else on the default device).
+
+    initialise_routing: routing parameters the tensors do not cover get their initial values
+    (a conversion); otherwise an uncovered parameter is an error.
+    """
+    graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    shardings = state_shardings(params, mesh) if mesh is not None else None
+
+    def place(path: tuple[str, ...], array: np.ndarray) -> None:
+        if shardings is None:
+            value = jax.device_put(array)
+        else:  # each device (or process) takes its own slice of the host array
+            value = jax.make_array_from_callback(array.shape, _get_path(shardings, path),
+                                                 lambda index: array[index])
+        _get_path(params, path).set_value(value)
+
     for rule, array in tensors:
-        variable = _get_path(params, rule.ours)
-        variable.set_value(place(array, variable))
-        filled.add(rule.ours)
-    # Parameters the checkpoint does not hold (a conversion adding routing) get their init.
-    missing = [rule for rule in active_rules(cfg) if rule.ours not in filled]
-    if missing:
-        fresh = nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-        for rule in missing:
-            variable = _get_path(params, rule.ours)
-            variable.set_value(place(np.asarray(_get_path(fresh, rule.ours)[...]), variable))
+        place(rule.ours, array)
+    uncovered = [tuple(path) for path, variable in params.flat_state()
+                 if isinstance(variable.get_value(), jax.ShapeDtypeStruct)]
+    if uncovered:
+        fresh = _fresh_routing(cfg, seed) if initialise_routing else {}
+        for path in uncovered:
+            if path not in fresh:
+                raise ConversionError(f"parameter {'.'.join(path)} of residual={cfg.residual!r} "
+                                      "has no Hugging Face tensor to load it from")
+            place(path, fresh[path])
     return nnx.merge(graphdef, params, rest)
+
+
+def build_model(hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, source: str,
+                mesh: Mesh | None = None, **overrides: Any) -> CausalLM:
+    """A config.json dict and a mapping {HF name: tensor in HF layout} (possibly lazy: each
+    tensor is looked up once, in key-table order) -> CausalLM. `overrides` as plan_conversion."""
+    cfg, held = plan_conversion(hf_config, source=source, **overrides)
+    check_keys(held, tensors.keys(), source=source)
+    _check_tied_copy(held, tensors, source=source)
+    return from_converted(cfg, converted_tensors(held, tensors.__getitem__, source=source),
+                          mesh=mesh, initialise_routing=held != cfg)
 
 
 def from_state_dict(hf_config: Mapping[str, Any], state_dict: Mapping[str, np.ndarray],
                     **overrides: Any) -> CausalLM:
     """A Hugging Face config dict and tensors under HF names (torch layout) -> CausalLM."""
-    cfg = config_from_hf(hf_config, **overrides)
-    check_keys(cfg, state_dict.keys(), source="state_dict")
-    _check_tied_copy(cfg, state_dict, source="state_dict")
-    return from_converted(cfg, converted_tensors(cfg, lambda k: np.asarray(state_dict[k]),
-                                                 source="state_dict"))
+    return build_model(hf_config, {k: np.asarray(v) for k, v in state_dict.items()},
+                       source="state_dict", **overrides)
 
 
-def _check_tied_copy(cfg: ModelConfig, state_dict, *, source: str) -> None:
-    if cfg.tie_word_embeddings and "lm_head.weight" in state_dict:
-        if not np.array_equal(np.asarray(state_dict["lm_head.weight"]),
-                              np.asarray(state_dict["model.embed_tokens.weight"])):
-            raise ConversionError(f"{source}: tie_word_embeddings=True but lm_head.weight "
-                                  "differs from model.embed_tokens.weight")
+def iter_hf_tensors(model: CausalLM, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, tensor in HF layout) one at a time in key-table order, cast to `dtype`
+    (default: the param dtype). Holds one stacked parameter on the host at a time; the model's
+    arrays must be fully addressable (a single process)."""
+    cfg = model.config
+    state = nnx.state(model, nnx.Param)
+    for rule in active_rules(cfg):
+        array = np.asarray(jax.device_get(_get_path(state, rule.ours)[...]))
+        parts = array if rule.per_layer else [array]
+        for name, part in zip(hf_names(rule, cfg), parts):
+            yield name, np.array(rule.to_hf(part, cfg), dtype=dtype or array.dtype, order="C")
 
 
 def to_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
     """CausalLM -> {HF name: numpy array in torch layout, the param dtype}."""
-    cfg = model.config
-    state = nnx.state(model, nnx.Param)
-    out = {}
-    for rule in active_rules(cfg):
-        array = np.asarray(jax.device_get(_get_path(state, rule.ours)[...]))
-        names = hf_names(rule, cfg)
-        parts = array if rule.per_layer else [array]
-        for name, part in zip(names, parts):
-            out[name] = np.ascontiguousarray(rule.to_hf(part, cfg))
-    return out
+    return dict(iter_hf_tensors(model))

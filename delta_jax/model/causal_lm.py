@@ -84,7 +84,7 @@ class CausalLM(nnx.Module):
                                        dtype=pd, stack=None)
         self.layers = DecoderLayer(cfg, rngs, stack=cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-        self.final_site = RoutingSite(cfg, rngs) if cfg.has_final_site else None
+        self.final_site = RoutingSite(cfg, rngs, gated=False) if cfg.has_final_site else None
         self.lm_head = (None if cfg.tie_word_embeddings else
                         make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                    init="normal", std=cfg.init_std, dtype=pd, stack=None))

@@ -30,7 +30,7 @@ class Write(NamedTuple):
 class RoutingSite(nnx.Module):
     """Pseudo-query w [D], its RMSNorm scale g [D], optional null source [D] and gate []."""
 
-    def __init__(self, cfg, rngs: nnx.Rngs, *, stack: int | None = None):
+    def __init__(self, cfg, rngs: nnx.Rngs, *, stack: int | None = None, gated: bool = True):
         d = cfg.hidden_size
         pd = jnp.dtype(cfg.param_dtype)
         self.eps = cfg.rms_norm_eps
@@ -41,8 +41,9 @@ class RoutingSite(nnx.Module):
         self.null = (make_param(None, (d,), ("routing",), init="zeros", std=0.0, dtype=pd,
                                 stack=stack) if cfg.null_source else None)
         # The reference's `learnable_alpha` gate: input = (1-a)*base + a*routed, a starts at 0.
+        # Only sublayer sites have one (the reference's final site has none).
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
-                     if cfg.routing_gate else None)
+                     if cfg.routing_gate and gated else None)
 
     def __call__(self, buffer: jax.Array, inv_rms: jax.Array, num_valid, *,
                  fresh: "Write | None" = None, live: jax.Array | None = None

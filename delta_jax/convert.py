@@ -1,0 +1,102 @@
+"""Convert checkpoints: a Hugging Face folder <-> an Orbax checkpoint the trainer fine-tunes from.
+
+  python -m delta_jax.convert hf-to-orbax Qwen3-0.6B ckpt/qwen3-0.6b-delta-block \\
+      --residual delta_block --num-blocks 4 --preserve-function
+  python -m delta_jax.convert orbax-to-hf ckpt/run out/qwen3-0.6b-delta-block [--step 20000]
+
+hf-to-orbax writes step 0 in the layout of delta_jax.checkpoint and copies the folder's tokenizer
+files into <orbax dir>/tokenizer; orbax-to-hf copies them back from there (or --tokenizer-from).
+Bad input is reported as one line on stderr with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from delta_jax.checkpoint import restore_model, save_model
+from delta_jax.config import BLOCK_SOURCES, DTYPES, RESIDUALS, ROUTER_INITS
+from delta_jax.hf.keymap import ConversionError
+from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
+from delta_jax.hf.save import save_pretrained
+
+TOKENIZER_DIR = "tokenizer"  # beside the step directories of an Orbax checkpoint
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m delta_jax.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_orbax = commands.add_parser("hf-to-orbax", help="Hugging Face folder -> Orbax checkpoint")
+    to_orbax.add_argument("source", type=Path, help="Hugging Face model folder")
+    to_orbax.add_argument("target", type=Path, help="new Orbax checkpoint directory")
+    to_orbax.add_argument("--residual", choices=RESIDUALS,
+                          help="convert a plain Qwen3 into this variant")
+    to_orbax.add_argument("--num-blocks", type=int, help="blocks of the block variants")
+    to_orbax.add_argument("--block-sources", choices=BLOCK_SOURCES)
+    to_orbax.add_argument("--router-init", choices=ROUTER_INITS)
+    to_orbax.add_argument("--null-source", action="store_true", default=None,
+                          help="add the learned null source (delta modes)")
+    to_orbax.add_argument("--routing-gate", action="store_true", default=None,
+                          help="add the zero-initialised gate on the routed term")
+    to_orbax.add_argument("--preserve-function", action="store_true",
+                          help="initialise routing so that step 0 computes the original model")
+    to_orbax.add_argument("--param-dtype", choices=DTYPES, default="float32",
+                          help="stored parameter dtype (default float32, master weights)")
+
+    to_hf = commands.add_parser("orbax-to-hf", help="Orbax checkpoint -> Hugging Face folder")
+    to_hf.add_argument("source", type=Path, help="Orbax checkpoint directory")
+    to_hf.add_argument("target", type=Path, help="Hugging Face folder to write (replaced)")
+    to_hf.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    to_hf.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: param dtype)")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
+    to_hf.add_argument("--tokenizer-from", type=Path,
+                       help=f"folder with tokenizer files (default: <source>/{TOKENIZER_DIR})")
+    return parser
+
+
+def hf_to_orbax(args: argparse.Namespace) -> None:
+    if args.target.exists() and any(args.target.iterdir()):
+        raise ConversionError(f"{args.target}: exists and is not empty; choose a new directory")
+    overrides = {field: getattr(args, field) for field in (
+        "residual", "num_blocks", "block_sources", "router_init", "null_source", "routing_gate")
+        if getattr(args, field) is not None}
+    model = load_pretrained(args.source, param_dtype=args.param_dtype, progress=True,
+                            preserve_function=args.preserve_function, **overrides)
+    save_model(model, args.target, step=0)
+    tokenizer_files = [args.source / name for name in TOKENIZER_FILES
+                       if (args.source / name).is_file()]
+    if tokenizer_files:
+        (args.target / TOKENIZER_DIR).mkdir()
+        for path in tokenizer_files:
+            shutil.copyfile(path, args.target / TOKENIZER_DIR / path.name)
+    print(f"wrote {args.target} (step 0, residual={model.config.residual}, "
+          f"{len(tokenizer_files)} tokenizer files)")
+
+
+def orbax_to_hf(args: argparse.Namespace) -> None:
+    if not args.source.is_dir():
+        raise ConversionError(f"{args.source}: not an Orbax checkpoint directory")
+    model = restore_model(args.source, args.step)
+    tokenizer = args.tokenizer_from or args.source / TOKENIZER_DIR
+    save_pretrained(model, args.target, dtype=args.dtype, tokenizer_from=tokenizer,
+                    max_shard_size=args.max_shard_size, progress=True)
+    print(f"wrote {args.target} (model_type "
+          f"{'qwen3' if model.config.residual == 'baseline' else 'qwen3_attnres'})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"hf-to-orbax": hf_to_orbax, "orbax-to-hf": orbax_to_hf}[args.command](args)
+    except (ConversionError, OSError) as err:
+        message = " ".join(str(err).split())  # one line, whatever the exception's layout
+        print(f"delta_jax.convert: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

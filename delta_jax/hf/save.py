@@ -1,0 +1,161 @@
+"""Save a delta_jax model as a Hugging Face folder, atomically and one tensor at a time.
+
+The baseline is written as model_type qwen3 (transformers' Qwen3ForCausalLM loads it); routing
+variants as the reference implementation's qwen3_attnres with its key names (keymap.py). The
+folder is built beside the target under a temporary name and renamed into place once complete,
+so an interrupted save leaves the previous folder (or none), never a half-written model.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
+
+from delta_jax.config import ModelConfig
+from delta_jax.hf.keymap import ConversionError, active_rules, config_to_hf, hf_names, hf_shape
+from delta_jax.hf.load import CONFIG, INDEX, TOKENIZER_FILES, WEIGHTS, dtype_name
+from delta_jax.hf.safetensors_io import TensorInfo, write_file
+from delta_jax.hf.state_dict import abstract_model, iter_hf_tensors
+from delta_jax.model.causal_lm import CausalLM
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as '5GB' or '500MiB' (transformers' convention)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", size.upper())
+    if not match:
+        raise ConversionError(f"max_shard_size={size!r} is not a size: expected e.g. '5GB', "
+                              "'500MB' or '2GiB'")
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def tensor_layout(cfg: ModelConfig, dtype: str) -> list[TensorInfo]:
+    """Every HF tensor of `cfg` with its shape, in the order iter_hf_tensors yields them."""
+    state = nnx.state(abstract_model(cfg), nnx.Param)
+    layout = []
+    for rule in active_rules(cfg):
+        shape = state
+        for part in rule.ours:
+            shape = shape[part]
+        ours = tuple(shape.shape[1:] if rule.per_layer else shape.shape)
+        theirs = hf_shape(rule, cfg, ours)
+        layout += [TensorInfo(name, jnp.dtype(dtype), theirs) for name in hf_names(rule, cfg)]
+    return layout
+
+
+def _shards(layout: list[TensorInfo], limit: int) -> list[list[TensorInfo]]:
+    """Consecutive groups of at most `limit` bytes (a larger tensor gets a shard of its own)."""
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for info in layout:
+        if shards[-1] and size + info.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(info)
+        size += info.nbytes
+    return shards
+
+
+def _check_mapped(model: CausalLM) -> None:
+    mapped = {rule.ours for rule in active_rules(model.config)}
+    for path, _ in nnx.state(model, nnx.Param).flat_state():
+        if tuple(path) not in mapped:
+            raise ConversionError(f"parameter {'.'.join(path)} has no Hugging Face key, so this "
+                                  f"model (residual={model.config.residual!r}) cannot be saved "
+                                  "in the Hugging Face layout")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _atomic_folder(target: Path) -> Iterator[Path]:
+    """Yield a fresh folder beside `target`; on success it replaces `target` by renames."""
+    if target.exists() and not (target.is_dir() and ((target / CONFIG).is_file()
+                                                     or not any(target.iterdir()))):
+        raise ConversionError(f"{target}: exists and is not a model folder; refusing to replace "
+                              "it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    staging = target.parent / f".{target.name}.tmp-{tag}"
+    staging.mkdir()
+    try:
+        yield staging
+        for path in staging.iterdir():
+            _fsync(path)
+        _fsync(staging)
+        if target.exists():
+            retired = target.parent / f".{target.name}.old-{tag}"
+            os.rename(target, retired)
+            os.rename(staging, target)
+            shutil.rmtree(retired)
+        else:
+            os.rename(staging, target)
+        _fsync(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
+                    tokenizer_from: str | Path | None = None,
+                    max_shard_size: int | str = "5GB", progress: bool = False) -> Path:
+    """Write `model` as a Hugging Face folder at `path` (replacing a model folder already there).
+
+    dtype: storage dtype of the tensors (default: the model's param dtype).
+    tokenizer_from: a folder whose tokenizer files (TOKENIZER_FILES) are copied along.
+    max_shard_size: above it the weights are split into shards with an index, as transformers.
+    Returns the folder. Needs the model's arrays fully addressable (a single process).
+    """
+    cfg = model.config
+    _check_mapped(model)
+    dtype = dtype_name(dtype or cfg.param_dtype)
+    layout = tensor_layout(cfg, dtype)
+    shards = _shards(layout, parse_size(max_shard_size))
+    hf_config = {**config_to_hf(cfg), "dtype": dtype}
+    target = Path(path)
+    with _atomic_folder(target) as staging, \
+            tqdm(total=len(layout), desc=f"saving {target.name}", unit="tensor",
+                 disable=not progress) as bar:
+        def counted():
+            for name, array in iter_hf_tensors(model, jnp.dtype(dtype)):
+                bar.update()
+                yield name, array
+
+        tensors = counted()  # one stream, drawn across the shards in layout order
+        metadata = {"format": "pt"}  # transformers expects the torch convention marker
+        if len(shards) == 1:
+            write_file(staging / WEIGHTS, layout, tensors, metadata=metadata)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                write_file(staging / name, shard, tensors, metadata=metadata)
+                weight_map.update({info.name: name for info in shard})
+            index = {"metadata": {"total_size": sum(info.nbytes for info in layout)},
+                     "weight_map": weight_map}
+            (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (staging / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_from) / name).is_file():
+                    shutil.copyfile(Path(tokenizer_from) / name, staging / name)
+    return target
