@@ -1,0 +1,249 @@
+"""What the routing learned: `python -m delta_jax.analyze --model PATH [...] --data ...`.
+
+For every routing site (attention and MLP site of each layer, and the final site of block/full)
+over the tokens of the data: mean max weight, entropy and normalised entropy (SPEC.md section
+5), and the mean weight of each source. Writes routing.json and two kinds of PNG figure to
+--out: max_weight.png (mean max weight versus depth, one panel per model, with 1/N, the value of
+uniform routing, dashed) and heatmap_<label>.png (sources x sites, mean weights). Prints a table.
+
+Source names, in the order a site sees them: "null" (a learned null source, if any), then
+  delta, full         emb, a0, m0, a1, m1, ...   (embedding, attention / MLP output of layer l)
+  block, delta_block  emb, b0, b1, ...           (block k: its partial sum in block, its delta
+                                                  in delta_block, telescoped under
+                                                  block_sources="reference": SPEC.md section 3)
+The last source of a block/full site is the live state (the current partial sum / output).
+
+Conventions: L layers, N_pad padded sources per site (see Routing), W windows of T tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from matplotlib.figure import Figure  # no pyplot: figures render with Agg, headless
+from matplotlib.ticker import MaxNLocator
+
+from delta_jax.config import ModelConfig
+from delta_jax.data.tokenizers import get_tokenizer
+from delta_jax.eval import TokenStream, read_stream
+from delta_jax.loading import check_token_ids, load_model
+from delta_jax.model import CausalLM, Routing
+
+SUBLAYERS = ("attn", "mlp")
+STATISTICS = ("max_weight", "entropy", "normalized_entropy")
+
+
+def source_names(cfg: ModelConfig, count: int) -> list[str]:
+    """Names of the first `count` sources a site of `cfg` sees (module doc)."""
+    null = ["null"] if cfg.null_source else []
+    if cfg.residual in ("delta", "full"):
+        names = ["emb"] + [f"{s[0]}{l}" for l in range(cfg.num_layers) for s in SUBLAYERS]
+    else:
+        names = ["emb"] + [f"b{k}" for k in range(cfg.num_layers)]
+    return (null + names)[:count]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_routing(graphdef, state, input_ids):
+    """[B,T] ids -> (Routing whose weights are the batch means [L,2,N_pad,1,1], statistics)."""
+    _, routing, _ = nnx.merge(graphdef, state).hidden_states(input_ids, return_routing=True)
+    mean = lambda w: None if w is None else w.mean(axis=(-2, -1), keepdims=True)
+    return (routing.replace(weights=mean(routing.weights), final=mean(routing.final)),
+            routing.statistics())
+
+
+def routing_statistics(model: CausalLM, stream: TokenStream, *, seq_len: int = 512,
+                       max_windows: int = 16, batch_size: int = 4) -> dict:
+    """Statistics of every used site over up to `max_windows` non-overlapping windows of
+    `seq_len` tokens of the stream (the tail shorter than a window is left out)."""
+    cfg = model.config
+    if not cfg.has_routing:
+        raise ValueError(f"residual={cfg.residual!r} has no routing sites to analyze")
+    tokens = stream.tokens
+    check_token_ids(tokens, cfg.vocab_size, where=stream.source)
+    seq_len = min(seq_len, len(tokens))
+    windows = min(max_windows, len(tokens) // seq_len)
+    ids = tokens[:windows * seq_len].reshape(windows, seq_len)
+    graphdef, state = nnx.split(model)
+    total = None
+    for first in range(0, windows, batch_size):
+        batch = ids[first:first + batch_size]
+        means, stats = _batch_routing(graphdef, state, batch)
+        # Batch means weighted by the batch's tokens give the mean over all tokens.
+        weighted = jax.tree.map(lambda x: np.asarray(x, np.float64) * batch.size, (means, stats))
+        total = weighted if total is None else jax.tree.map(np.add, total, weighted)
+    means, stats = jax.tree.map(lambda x: x / ids.size, total)
+    return {"residual": cfg.residual, "num_layers": cfg.num_layers, "data": stream.source,
+            "tokens": int(ids.size), "windows": windows, "seq_len": seq_len,
+            "sites": _site_records(cfg, means, stats)}
+
+
+def _site_records(cfg: ModelConfig, means: Routing, stats: dict) -> list[dict]:
+    records = []
+    for layer in range(cfg.num_layers):
+        for s, sublayer in enumerate(SUBLAYERS):
+            count = int(means.num_sources[layer, s])
+            if count:
+                records.append(_record(cfg, f"L{layer}.{sublayer}", layer, count,
+                                       means.site_weights(layer, s),
+                                       {k: stats[k][layer, s] for k in STATISTICS}))
+    if means.final is not None:
+        records.append(_record(cfg, "final", cfg.num_layers, means.final_sources,
+                               means.final_weights(), {k: stats["final_" + k]
+                                                       for k in STATISTICS}))
+    return records
+
+
+def _record(cfg, name, layer, count, weights, stats) -> dict:
+    return {"site": name, "layer": layer, "num_sources": count,
+            **{k: float(v) + 0.0 for k, v in stats.items()},  # + 0.0: no -0.0 entropies
+            "sources": source_names(cfg, count),
+            "mean_weights": [float(w) for w in np.asarray(weights).reshape(-1)]}
+
+
+# Output -----------------------------------------------------------------------------------
+def format_table(result: dict) -> str:
+    lines = [f"{result['label']} ({result['residual']}): {result['tokens']} tokens of "
+             f"{result['data']}",
+             f"{'site':<10}{'N':>4}{'max w':>8}{'entropy':>9}{'norm H':>8}  top sources"]
+    for r in result["sites"]:
+        top = sorted(zip(r["mean_weights"], r["sources"]), reverse=True)[:3]
+        lines.append(f"{r['site']:<10}{r['num_sources']:>4}{r['max_weight']:>8.3f}"
+                     f"{r['entropy']:>9.3f}{r['normalized_entropy']:>8.3f}  "
+                     + " ".join(f"{name}:{w:.2f}" for w, name in top))
+    return "\n".join(lines)
+
+
+def plot_max_weight(results: Sequence[dict], path: Path) -> None:
+    """Mean max weight per site versus layer, one panel per model, 1/N dashed."""
+    fig = Figure(figsize=(4.2 * len(results), 3.4))
+    axes = fig.subplots(1, len(results), sharey=True, squeeze=False)
+    for ax, result in zip(axes[0], results):
+        for sublayer, color in zip(SUBLAYERS + ("final",), ("C0", "C1", "C3")):
+            sites = [r for r in result["sites"] if r["site"].endswith(sublayer)]
+            if not sites:
+                continue
+            layers = [r["layer"] for r in sites]
+            ax.plot(layers, [r["max_weight"] for r in sites], "o-", color=color, label=sublayer)
+            ax.plot(layers, [1 / r["num_sources"] for r in sites], "--", color=color, alpha=0.5)
+        ax.set_title(_title(result))
+        ax.set_xlabel("layer (final site at L)" if result["sites"][-1]["site"] == "final"
+                      else "layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("mean max routing weight")
+    axes[0, 0].legend(title="site (dashed: 1/N)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_heatmap(result: dict, path: Path) -> None:
+    """Mean weight of each source (rows) at each site (columns); blank where a site does not
+    see the source."""
+    sites = result["sites"]
+    rows = max(r["num_sources"] for r in sites)
+    names = max((r["sources"] for r in sites), key=len)
+    grid = np.full((rows, len(sites)), np.nan)
+    for col, r in enumerate(sites):
+        grid[:r["num_sources"], col] = r["mean_weights"]
+    fig = Figure(figsize=(max(4.0, 0.32 * len(sites) + 2), max(3.0, 0.28 * rows + 1.5)))
+    ax = fig.subplots()
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=0, vmax=1,
+                      interpolation="nearest")
+    ax.set_xticks(range(len(sites)), [r["site"] for r in sites], rotation=90, fontsize=7)
+    ax.set_yticks(range(rows), names, fontsize=7)
+    ax.set_xlabel("routing site")
+    ax.set_ylabel("source")
+    ax.set_title(f"{_title(result)}: mean routing weights", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _title(result: dict) -> str:
+    label, residual = result["label"], result["residual"]
+    return label if label == residual else f"{label} ({residual})"
+
+
+def _labels(paths: Sequence[str], given: Sequence[str] | None,
+            residuals: Sequence[str]) -> list[str]:
+    if given:
+        if len(given) != len(paths):
+            raise ValueError(f"{len(given)} --label for {len(paths)} --model: give one per model")
+        return list(given)
+    if len(set(residuals)) == len(residuals):
+        return list(residuals)
+    return [Path(p).name for p in paths]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m delta_jax.analyze", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, action="append",
+                        help="checkpoint dir, run folder or Hugging Face folder (repeatable)")
+    parser.add_argument("--label", action="append", help="name per --model (default: residual)")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="a prepared directory, tfds:NAME?..., or text/JSONL/Parquet files")
+    parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
+    parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
+                        "model folder's, or the prepared data's)")
+    parser.add_argument("--seq-len", type=int, default=512, help="window length")
+    parser.add_argument("--max-windows", type=int, default=16, help="windows to analyze")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--out", default="analysis", help="directory for routing.json and PNGs")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for name in ("seq_len", "max_windows", "batch_size"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a "
+                                 "positive integer")
+        results = []
+        for path in args.model:
+            model, tokenizer = load_model(path, **({"dtype": args.dtype} if args.dtype else {}))
+            if args.tokenizer:
+                tokenizer = get_tokenizer(args.tokenizer)
+            stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
+                                 max_tokens=args.seq_len * args.max_windows)
+            try:
+                results.append({"model": path, **routing_statistics(
+                    model, stream, seq_len=args.seq_len, max_windows=args.max_windows,
+                    batch_size=args.batch_size)})
+            except ValueError as err:
+                raise ValueError(f"{path}: {err}") from None
+        labels = _labels(args.model, args.label, [r["residual"] for r in results])
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for label, result in zip(labels, results):
+        result["label"] = label
+        plot_heatmap(result, out / f"heatmap_{label}.png")
+    plot_max_weight(results, out / "max_weight.png")
+    (out / "routing.json").write_text(json.dumps({"models": results}, indent=1) + "\n")
+    if args.json:
+        print(json.dumps({"models": results}, indent=1))
+    else:
+        print("\n\n".join(format_table(r) for r in results))
+        print(f"\nwrote {out / 'routing.json'}, {out / 'max_weight.png'} and heatmaps",
+              file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

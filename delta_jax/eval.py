@@ -1,0 +1,234 @@
+"""Perplexity and bits per byte of held-out text: `python -m delta_jax.eval --model PATH --data`.
+
+Data is a prepared directory (`python -m delta_jax.data prepare`), a "tfds:NAME?..." spec read
+through the data pipeline, or text/Markdown/JSONL/Parquet files. Each becomes one token stream:
+every document's tokens followed by EOS, as the data preparation writes it, so a text file and
+the same file prepared score the same.
+
+Windows (the strided-perplexity rule): window k holds inputs stream[k*stride : k*stride + T]
+and predicts the next token at each place, but scores only the tokens no earlier window scored.
+Every token but the stream's first is scored exactly once, with at least T - stride tokens of
+context; stride = T gives non-overlapping windows (the trainer's validation windows).
+Bits per byte = total NLL in nats / (ln 2 * UTF-8 bytes of the scored tokens' text, EOS excluded).
+
+Conventions: B windows per batch, T window length (seq_len), N stream length, V vocab.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from delta_jax.data.pipeline import PreparedSplit, build_eval_iterator
+from delta_jax.data.prepare import METADATA, find_inputs, iter_documents
+from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
+from delta_jax.loading import check_token_ids, data_tokenizer, load_model
+from delta_jax.model import CausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStream:
+    tokens: np.ndarray  # [N] int32
+    tokenizer: Tokenizer | None  # decodes the scored tokens to count bytes; None: no bits/byte
+    source: str
+
+
+def read_stream(data: Sequence[str], *, tokenizer: Tokenizer | None = None,
+                split: str = "validation", max_tokens: int | None = None) -> TokenStream:
+    """The token stream of `data`: one prepared directory, one "tfds:..." spec, or text files.
+
+    A prepared directory and a TFDS spec carry their own tokenizer (`tokenizer` overrides the
+    one used to count bytes); text files are tokenised with `tokenizer`, which they need.
+    At most `max_tokens` tokens are read.
+    """
+    data = [str(d) for d in data]
+    if not data:
+        raise ValueError("no data given: expected a prepared directory, a tfds: spec or text files")
+    first, source = data[0], " ".join(data)
+    if first.startswith("tfds:") or (Path(first) / METADATA).is_file():
+        if len(data) > 1:
+            raise ValueError(f"{source}: a prepared directory or tfds: spec must come alone")
+        tokens = (_tfds_tokens(first, split, max_tokens) if first.startswith("tfds:") else
+                  _prepared_tokens(Path(first), split, max_tokens))
+        return TokenStream(tokens, tokenizer or get_tokenizer(data_tokenizer(first)),
+                           f"{source} [{split}]")
+    if tokenizer is None:
+        raise ValueError(f"{source}: text files need a tokenizer (--tokenizer byte, qwen3 or a "
+                         "tokenizer.json), and the model folder holds none")
+    pieces, total = [], 0
+    documents = (text for path in find_inputs(data) for text, _ in iter_documents(path))
+    for text in documents:
+        if max_tokens is not None and total >= max_tokens:
+            break
+        if text:
+            pieces.append(np.append(tokenizer.encode_array(text), tokenizer.eos_id))
+            total += len(pieces[-1])
+    if not pieces:
+        raise ValueError(f"{source}: no non-empty document")
+    tokens = np.concatenate(pieces).astype(np.int32)[:max_tokens]
+    return TokenStream(tokens, tokenizer, source)
+
+
+def _prepared_tokens(directory: Path, split: str, max_tokens: int | None) -> np.ndarray:
+    prepared = PreparedSplit(directory, split)
+    stop = prepared.num_tokens if max_tokens is None else min(max_tokens, prepared.num_tokens)
+    return prepared.read(0, stop)
+
+
+def _tfds_tokens(spec: str, split: str, max_tokens: int | None, chunk: int = 256) -> np.ndarray:
+    """The pipeline packs documents into windows of chunk + 1 tokens that overlap by one; their
+    first token and then every label rebuild the stream (less a tail shorter than a chunk)."""
+    batches = build_eval_iterator(spec, seq_len=chunk, global_batch_size=1, split=split,
+                                  process_index=0, process_count=1)
+    pieces, total = [], 0
+    for batch in batches:
+        if not pieces:
+            pieces.append(batch["input_ids"][0, :1])
+        pieces.append(batch["labels"][0])
+        total += chunk
+        if max_tokens is not None and total >= max_tokens:
+            break
+    if not pieces:
+        raise ValueError(f"{spec} split {split!r}: fewer than {chunk + 1} tokens")
+    return np.concatenate(pieces).astype(np.int32)[:max_tokens]
+
+
+def window_starts(num_tokens: int, seq_len: int, stride: int) -> list[int]:
+    """Start of every window over a stream of `num_tokens` (the last reaches its end)."""
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} is invalid: expected 1 <= stride <= seq_len={seq_len}")
+    starts = [0]
+    while starts[-1] + seq_len < num_tokens - 1:
+        starts.append(starts[-1] + stride)
+    return starts
+
+
+def window_batches(tokens: np.ndarray, seq_len: int, stride: int,
+                   batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    """Batches {"input_ids", "labels", "mask"} [B, T] (int32, int32, bool) of the strided windows;
+    mask marks the labels this window scores. The last batch is padded with empty windows."""
+    n = len(tokens)
+    starts = window_starts(n, seq_len, stride)
+    scored_until = 1  # stream index of the first label not yet scored
+    for first in range(0, len(starts), batch_size):
+        batch = {"input_ids": np.zeros((batch_size, seq_len), np.int32),
+                 "labels": np.zeros((batch_size, seq_len), np.int32),
+                 "mask": np.zeros((batch_size, seq_len), bool)}
+        for row, start in enumerate(starts[first:first + batch_size]):
+            inputs = tokens[start:min(start + seq_len, n - 1)]
+            batch["input_ids"][row, :len(inputs)] = inputs
+            batch["labels"][row, :len(inputs)] = tokens[start + 1:start + 1 + len(inputs)]
+            label_index = start + 1 + np.arange(seq_len)
+            batch["mask"][row] = (label_index >= scored_until) & (label_index < n)
+            scored_until = min(start + 1 + seq_len, n)
+        yield batch
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_nll(graphdef, state, input_ids, labels, mask):
+    """[B,T] ids, labels, mask -> (sum of NLL in nats over the mask, number of masked tokens)."""
+    logits = nnx.merge(graphdef, state)(input_ids).astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)
+
+
+def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
+               stride: int | None = None, batch_size: int = 8) -> dict:
+    """Score `stream` in windows of `seq_len` (shortened to the stream) every `stride` tokens
+    (default: seq_len). Returns tokens, windows, nll (mean nats/token), perplexity, bytes,
+    bits_per_byte (None without a tokenizer), seconds."""
+    tokens = stream.tokens
+    if len(tokens) < 2:
+        raise ValueError(f"{stream.source}: {len(tokens)} token(s), need at least 2 to score one")
+    check_token_ids(tokens, model.config.vocab_size, where=stream.source)
+    stride = seq_len if stride is None else stride
+    if not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} is invalid: expected 1 <= stride <= seq_len={seq_len}")
+    seq_len = min(seq_len, len(tokens) - 1)  # a short stream is one shorter window
+    stride = min(stride, seq_len)
+    num_windows = len(window_starts(len(tokens), seq_len, stride))
+    batch_size = min(batch_size, num_windows)
+    graphdef, state = nnx.split(model)
+    total_nll, total_tokens = 0.0, 0
+    begin = time.perf_counter()
+    for batch in window_batches(tokens, seq_len, stride, batch_size):
+        nll, count = _batch_nll(graphdef, state, batch["input_ids"], batch["labels"],
+                                batch["mask"])
+        total_nll += float(nll)
+        total_tokens += int(count)
+    seconds = time.perf_counter() - begin
+    mean = total_nll / total_tokens
+    result = {"data": stream.source, "tokens": total_tokens, "windows": num_windows,
+              "seq_len": seq_len, "stride": stride, "nll": mean, "perplexity": math.exp(mean),
+              "bytes": None, "bits_per_byte": None, "seconds": seconds}
+    if stream.tokenizer is not None:
+        scored = tokens[1:]
+        text = stream.tokenizer.decode(scored[scored != stream.tokenizer.eos_id].tolist())
+        result["bytes"] = len(text.encode("utf-8"))
+        if result["bytes"]:
+            result["bits_per_byte"] = total_nll / (math.log(2) * result["bytes"])
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m delta_jax.eval", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="a prepared directory, tfds:NAME?data_dir=..&tokenizer=.., or text/"
+                             "JSONL/Parquet files")
+    parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
+    parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
+                        "model folder's, or the prepared data's)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="window length T")
+    parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--max-tokens", type=int, help="read at most this many tokens")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="compute dtype (default: the checkpoint's)")
+    parser.add_argument("--output", help="also write the JSON result to this file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for name in ("seq_len", "batch_size", "stride", "max_tokens"):
+            if (value := getattr(args, name)) is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
+        overrides = {"dtype": args.dtype} if args.dtype else {}
+        model, tokenizer = load_model(args.model, step=args.step, **overrides)
+        if args.tokenizer:
+            tokenizer = get_tokenizer(args.tokenizer)
+        stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
+                             max_tokens=args.max_tokens)
+        result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,
+                                                    stride=args.stride,
+                                                    batch_size=args.batch_size)}
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

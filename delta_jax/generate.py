@@ -1,0 +1,293 @@
+"""Sampling with a KV cache: `python -m delta_jax.generate --model PATH --prompt TEXT`.
+
+Prompts of a batch are left-padded to a common length P; the cache (model.init_cache) records
+each row's first real position, so a padded row decodes exactly as it would alone. One jitted
+call prefills the prompts and runs the decode loop (jax.lax.while_loop over a preallocated cache
+of capacity P + max_new_tokens), stopping early once every row has produced EOS.
+
+Routing variants decode with the same cache as the baseline: the sources a routing site mixes
+are the current token's own sublayer outputs, so they live only inside that token's forward pass
+([S,B,1,D], S buffer slots) and nothing beyond the keys and values is carried between steps.
+
+Conventions: B prompts, P padded prompt length, N max_new_tokens, V vocab, C cache capacity.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
+from delta_jax.loading import check_token_ids, load_model
+from delta_jax.model import CausalLM
+
+PAD_ID = 0  # left padding; masked out by the cache, so any id will do
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """greedy (argmax), or sampling from softmax(logits / temperature) restricted to the top_k
+    tokens (0: all) and then to the smallest set whose probability reaches top_p (1.0: all)."""
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: expected > 0 (or greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 keeps every token)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1")
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits [B,V] -> token ids [B] int32."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # Keep a token while the mass before it is below top_p; the most likely always stays.
+        kept = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < sampling.top_p, axis=-1)
+        threshold = jnp.take_along_axis(ordered, kept[:, None] - 1, axis=-1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling",
+                                             "keep_logits"))
+def _generate(graphdef, state, prompt, start, key, eos_id, *, max_new_tokens: int,
+              sampling: Sampling, keep_logits: bool):
+    """prompt [B,P] left-padded, start [B] -> (tokens [B,N], steps run, logits [B,N,V] or None).
+
+    Rows that produced EOS (eos_id >= 0) continue with EOS; the loop ends when all have.
+    """
+    model = nnx.merge(graphdef, state)
+    batch = prompt.shape[0]
+    cache = model.init_cache(batch, prompt.shape[1] + max_new_tokens, start)
+    logits, cache = model(prompt, cache=cache)
+    logits = logits[:, -1].astype(jnp.float32)
+    tokens = jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32)
+    kept = (jnp.zeros((batch, max_new_tokens, logits.shape[-1]), jnp.float32)
+            if keep_logits else None)
+
+    def emit(i, logits, tokens, kept, done):
+        token = sample(logits, jax.random.fold_in(key, i), sampling)
+        token = jnp.where(done, eos_id, token)
+        tokens = tokens.at[:, i].set(token)
+        if keep_logits:
+            kept = kept.at[:, i].set(logits)
+        return token, tokens, kept, done | (token == eos_id)
+
+    token, tokens, kept, done = emit(0, logits, tokens, kept, jnp.zeros((batch,), bool))
+
+    def cond(carry):
+        i, _, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, token, cache, tokens, kept, done = carry
+        logits, cache = model(token[:, None], cache=cache)
+        token, tokens, kept, done = emit(i, logits[:, 0].astype(jnp.float32), tokens, kept, done)
+        return i + 1, token, cache, tokens, kept, done
+
+    steps, _, _, tokens, kept, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), token, cache, tokens, kept, done))
+    return tokens, steps, kept
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: np.ndarray  # [B,N] int32: new tokens; after a row's EOS, EOS again
+    lengths: np.ndarray  # [B] new tokens per row up to and including its first EOS
+    steps: int  # decode steps run (< N when every row stopped early)
+    logits: np.ndarray | None  # [B,N,V] float32: the logits each token was drawn from
+    seconds: float  # wall time of the call (compilation included on a first call)
+
+    def row(self, b: int) -> list[int]:
+        return self.tokens[b, :self.lengths[b]].tolist()
+
+
+def left_pad(prompts: Sequence[Sequence[int]], multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> (ids [B,P] int32 left-padded with PAD_ID, start [B] int32); P is the
+    longest prompt rounded up to `multiple`."""
+    length = -(-max(len(p) for p in prompts) // multiple) * multiple
+    ids = np.full((len(prompts), length), PAD_ID, np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt):] = prompt
+    return ids, np.asarray([length - len(p) for p in prompts], np.int32)
+
+
+def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             sampling: Sampling = Sampling(greedy=True), seed: int = 0,
+             eos_id: int | None = None, max_length: int | None = None,
+             keep_logits: bool = False, pad_multiple: int = 1) -> Generation:
+    """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
+
+    `max_length` bounds prompt + new tokens (the model's context); `eos_id` stops a row.
+    Rounding the padded prompt length up to `pad_multiple` lets calls with prompts of
+    different lengths share one compilation.
+    """
+    if not prompts:
+        raise ValueError("no prompt given")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: expected at least one token")
+        check_token_ids(np.asarray(prompt), model.config.vocab_size, where=f"prompt {i}")
+        if max_length is not None and len(prompt) + max_new_tokens > max_length:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                             f"{max_new_tokens} that exceeds the context length {max_length}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    ids, start = left_pad(prompts, pad_multiple)
+    graphdef, state = nnx.split(model)
+    begin = time.perf_counter()
+    tokens, steps, logits = _generate(
+        graphdef, state, ids, start, jax.random.key(seed),
+        jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens,
+        sampling=sampling, keep_logits=keep_logits)
+    tokens = np.asarray(tokens)
+    seconds = time.perf_counter() - begin
+    lengths = np.full(len(prompts), max_new_tokens)
+    if eos_id is not None:
+        for b, row in enumerate(tokens):
+            if (hits := np.flatnonzero(row == eos_id)).size:
+                lengths[b] = hits[0] + 1
+    return Generation(tokens, lengths, int(steps), None if logits is None else np.asarray(logits),
+                      seconds)
+
+
+def decode_memory(model: CausalLM, batch: int, capacity: int) -> dict[str, int]:
+    """Bytes of the KV cache and of one compiled decode step (one new token per row)."""
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(batch, capacity)
+
+    def step(state, token, cache):
+        return nnx.merge(graphdef, state)(token, cache=cache)
+
+    compiled = jax.jit(step).lower(state, jnp.zeros((batch, 1), jnp.int32), cache).compile()
+    stats = compiled.memory_analysis()
+    return {"cache_bytes": sum(x.nbytes for x in jax.tree.leaves(cache)),
+            "param_bytes": sum(x.nbytes for x in jax.tree.leaves(state)),
+            "step_temp_bytes": int(stats.temp_size_in_bytes),
+            "step_argument_bytes": int(stats.argument_size_in_bytes),
+            "step_output_bytes": int(stats.output_size_in_bytes)}
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m delta_jax.generate", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    prompts.add_argument("--prompt-ids", action="append",
+                         help="prompt token ids like 1,2,3 (repeat for a batch)")
+    parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the model "
+                        "folder's)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="context length: prompt + new tokens may not exceed it")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 keeps every token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eos-id", type=int, help="stop token (default: the tokenizer's EOS)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="compute dtype (default: the checkpoint's)")
+    parser.add_argument("--benchmark", action="store_true",
+                        help="run twice and time the second (compiled) run")
+    parser.add_argument("--memory", action="store_true",
+                        help="report the KV cache's and one decode step's memory")
+    parser.add_argument("--json", action="store_true", help="print ids and text as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model, tokenizer = load_model(args.model, step=args.step,
+                                      **({"dtype": args.dtype} if args.dtype else {}))
+        if args.tokenizer:
+            tokenizer = get_tokenizer(args.tokenizer)
+        prompts = _prompts(args, tokenizer)
+        sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p)
+        eos_id = args.eos_id
+        if eos_id is None and tokenizer is not None:
+            eos_id = tokenizer.eos_id
+        run = functools.partial(generate, model, prompts, max_new_tokens=args.max_new_tokens,
+                                sampling=sampling, seed=args.seed, eos_id=eos_id,
+                                max_length=args.max_length)
+        out = run()
+        first_seconds = out.seconds
+        if args.benchmark:
+            out = run()
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    new_tokens = int(out.lengths.sum())
+    result = {"model": args.model, "residual": model.config.residual,
+              "sampling": dataclasses.asdict(sampling), "results": [],
+              "new_tokens": new_tokens, "seconds": out.seconds, "first_call_seconds": first_seconds,
+              "tokens_per_second": new_tokens / out.seconds}
+    for b, prompt in enumerate(prompts):
+        ids = out.row(b)
+        text = ids[:-1] if ids and ids[-1] == eos_id else ids  # the text leaves out the EOS
+        result["results"].append({"prompt_ids": list(prompt), "ids": ids,
+                                  "text": tokenizer.decode(text) if tokenizer else None})
+    if args.memory:
+        result["memory"] = decode_memory(model, len(prompts),
+                                         max(map(len, prompts)) + args.max_new_tokens)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for b, item in enumerate(result["results"]):
+            if tokenizer:  # the prompt, then its continuation
+                print(f"[{b}] {tokenizer.decode(item['prompt_ids'])}{item['text']}")
+            else:
+                print(f"[{b}] {','.join(map(str, item['prompt_ids']))} -> "
+                      f"{','.join(map(str, item['ids']))}")
+        print(f"{new_tokens} tokens in {out.seconds:.2f} s ({result['tokens_per_second']:.1f} "
+              f"tokens/s{'' if args.benchmark else ', compilation included'})", file=sys.stderr)
+        if args.memory:
+            print(json.dumps(result["memory"]), file=sys.stderr)
+    return result
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[list[int]]:
+    if args.prompt_ids:
+        return [_parse_ids(text) for text in args.prompt_ids]
+    if tokenizer is None:
+        raise ValueError(f"{args.model}: no tokenizer found for --prompt: pass --tokenizer, or "
+                         "give token ids with --prompt-ids")
+    return [tokenizer.encode(text) for text in args.prompt]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

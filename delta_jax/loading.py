@@ -1,0 +1,86 @@
+"""The model loader of the eval, analyze and generate tools: a folder -> (model, tokenizer).
+
+PATH may be
+  - an Orbax model checkpoint directory (delta_jax.checkpoint layout: step directories holding
+    `params` and `model_config`), or a trainer run folder keeping them under `PATH/checkpoints`;
+  - a Hugging Face folder: config.json plus model.safetensors (or sharded model-*.safetensors).
+The tokenizer is the one named by `tokenizer` ("byte", "qwen3" or a tokenizer.json path), else a
+tokenizer.json found in PATH, else the one a trainer run's data used (its config.yaml), else
+None (the tools then take and print token ids).
+"""
+from __future__ import annotations
+
+import json
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from delta_jax.checkpoint import restore_model
+from delta_jax.data.prepare import METADATA
+from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
+from delta_jax.hf.load import CONFIG as HF_CONFIG
+from delta_jax.hf.load import load_pretrained
+from delta_jax.model import CausalLM
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
+
+
+def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | None = None,
+               **overrides: Any) -> tuple[CausalLM, Tokenizer | None]:
+    """(model, tokenizer or None) from a checkpoint, run folder or Hugging Face folder.
+
+    `step` picks a checkpoint step (default: the latest). `overrides` are ModelConfig fields;
+    a checkpoint takes only runtime ones (dtype, param_dtype, remat, layer_driver); for a
+    Hugging Face folder they are load_pretrained's (dtype sets the parameters' dtype too).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model directory (expected an Orbax checkpoint "
+                                f"directory, a training run folder or a Hugging Face folder "
+                                f"with {HF_CONFIG})")
+    if (path / HF_CONFIG).is_file():
+        if step is not None:
+            raise ValueError(f"{path}: a Hugging Face folder has no steps (got step={step})")
+        model = load_pretrained(path, **overrides)
+    else:
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if not _is_checkpoint_dir(directory):
+            raise FileNotFoundError(f"{path}: neither a Hugging Face folder ({HF_CONFIG}) nor an "
+                                    f"Orbax checkpoint directory (numbered step folders)")
+        model = restore_model(directory, step, **overrides)
+
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        tokenizer = str(path)
+    if tokenizer is None and (path / "config.yaml").is_file():
+        run = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        tokenizer = data_tokenizer((run.get("data") or {}).get("path", "embedded"))
+    tok = get_tokenizer(tokenizer) if tokenizer is not None else None
+    return model, tok
+
+
+def data_tokenizer(data: str) -> str | None:
+    """The tokenizer spec a data source was tokenised with: "embedded" (the trainer's default
+    corpus) and tfds: specs without a tokenizer option use "byte"; a prepared directory names
+    its own in metadata.json. None when it cannot be told."""
+    if data == "embedded":
+        return "byte"
+    if data.startswith("tfds:"):
+        options = urllib.parse.parse_qs(urllib.parse.urlsplit(data[len("tfds:"):]).query)
+        return options.get("tokenizer", ["byte"])[0]
+    metadata = Path(data) / METADATA
+    if metadata.is_file():
+        return json.loads(metadata.read_text())["tokenizer"]["spec"]
+    return None
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, *, where: str) -> None:
+    """Token ids must index the model's embedding; a tokenizer larger than it fails here."""
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary "
+                         f"[0, {vocab_size}) (a tokenizer that does not match the model?)")

@@ -1,0 +1,99 @@
+"""Routing analysis: statistics equal those computed from the raw routing weights; the CLI."""
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from delta_jax import ModelConfig, init_model
+from delta_jax.analyze import main, routing_statistics, source_names
+from delta_jax.checkpoint import save_model
+from delta_jax.data.tokenizers import get_tokenizer
+from delta_jax.eval import read_stream
+
+TEXT = Path(__file__).parent / "data" / "udhr_article1.txt"
+BYTE = get_tokenizer("byte")
+T, WINDOWS = 16, 6
+
+
+def tiny(residual, **kw):
+    return ModelConfig.tiny(vocab_size=264, residual=residual, init_std=0.2, **kw)
+
+
+@pytest.mark.parametrize("cfg", [tiny("delta", null_source=True), tiny("block")],
+                         ids=["delta+null", "block"])
+def test_statistics_equal_those_of_the_raw_weights(cfg):
+    """Batched accumulation (batches of 4 and 2 windows) against one forward pass over all
+    windows, reduced by hand from Routing.calls() (compact weights in call order)."""
+    model = init_model(cfg, seed=3)
+    stream = read_stream([TEXT], tokenizer=BYTE)
+    result = routing_statistics(model, stream, seq_len=T, max_windows=WINDOWS, batch_size=4)
+    ids = stream.tokens[:WINDOWS * T].reshape(WINDOWS, T)
+    _, routing = jax.jit(lambda x: model(x, return_routing=True))(ids)
+    calls = [np.asarray(w, np.float64) for w in routing.calls()]  # each [N, B, T]
+    assert result["tokens"] == WINDOWS * T
+    assert len(result["sites"]) == len(calls)
+    for site, weights in zip(result["sites"], calls):
+        n = weights.shape[0]
+        plogp = np.where(weights > 0, weights * np.log(np.where(weights > 0, weights, 1)), 0)
+        entropy = -plogp.sum(0).mean()
+        assert site["num_sources"] == n and len(site["sources"]) == n
+        np.testing.assert_allclose(site["mean_weights"], weights.mean(axis=(1, 2)), atol=1e-6)
+        np.testing.assert_allclose(site["max_weight"], weights.max(0).mean(), atol=1e-6)
+        np.testing.assert_allclose(site["entropy"], entropy, atol=1e-5)
+        np.testing.assert_allclose(site["normalized_entropy"],
+                                   entropy / np.log(n) if n > 1 else 0.0, atol=1e-5)
+    names = [s["site"] for s in result["sites"]]
+    assert names[:2] == ["L0.attn", "L0.mlp"]
+    assert (names[-1] == "final") == cfg.has_final_site
+
+
+def test_source_names():
+    assert source_names(tiny("delta"), 4) == ["emb", "a0", "m0", "a1"]
+    assert source_names(tiny("delta", null_source=True), 3) == ["null", "emb", "a0"]
+    assert source_names(tiny("delta_block"), 3) == ["emb", "b0", "b1"]
+
+
+def test_baseline_has_nothing_to_analyze():
+    with pytest.raises(ValueError, match="residual='baseline' has no routing"):
+        routing_statistics(init_model(tiny("baseline")), read_stream([TEXT], tokenizer=BYTE))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("analyze")
+    for residual in ("delta_block", "full", "baseline"):
+        save_model(init_model(tiny(residual), seed=0), root / residual)
+    return root
+
+
+def test_cli_writes_json_table_and_figures(checkpoints, tmp_path, capsys):
+    out = tmp_path / "out"
+    results = main(["--model", str(checkpoints / "delta_block"), "--model",
+                    str(checkpoints / "full"), "--data", str(TEXT), "--tokenizer", "byte",
+                    "--seq-len", str(T), "--max-windows", "4", "--out", str(out)])
+    table = capsys.readouterr().out
+    assert "delta_block (delta_block)" in table and "final" in table
+    saved = json.loads((out / "routing.json").read_text())["models"]
+    assert [m["label"] for m in saved] == ["delta_block", "full"]
+    assert saved == json.loads(json.dumps(results))
+    for name in ("max_weight.png", "heatmap_delta_block.png", "heatmap_full.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    full = saved[1]["sites"]
+    assert [s["num_sources"] for s in full] == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 2l+1, 2l+2, 2L+1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{root}/baseline"], "residual='baseline' has no routing sites"),
+    (["--model", "{root}/missing"], "no such model directory"),
+    (["--model", "{root}/full", "--label", "a", "--label", "b"], "2 --label for 1 --model"),
+])
+def test_cli_bad_input_exits_2(checkpoints, tmp_path, capsys, args, message):
+    args = [a.format(root=checkpoints) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--data", str(TEXT), "--tokenizer", "byte", "--seq-len", str(T),
+              "--max-windows", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
