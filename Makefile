@@ -14,8 +14,10 @@ $(STAMP): requirements.txt requirements-test.txt
 
 install: $(STAMP)
 
-# Pretrain a small Delta Block model on the embedded corpus (CPU, a few minutes).
+# Pretrain a small Delta Block model on the embedded corpus (CPU, a few minutes). Each demo
+# starts fresh; `python -m delta_jax.train --config configs/demo.yaml` alone resumes.
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(VENV)/bin/python -m delta_jax.train --config configs/demo.yaml
 
 # pytest exits 5 when it collected nothing: report that as the failure it is.

@@ -1,0 +1,52 @@
+"""`python -m delta_jax.train --config configs/NAME.yaml [section.key=value ...]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from delta_jax.train.config import DistributedConfig, load_config
+
+
+def initialize_distributed(cfg: DistributedConfig) -> None:
+    """jax.distributed.initialize before any device is touched; a no-op unless enabled.
+
+    With coordinator_address/num_processes/process_id unset, SLURM and Cloud TPU pods describe
+    themselves to JAX. CPU processes talk through gloo.
+    """
+    if not cfg.enabled:
+        return
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
+                               num_processes=cfg.num_processes, process_id=cfg.process_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m delta_jax.train",
+        description="Pretrain or fine-tune a Delta Attention Residuals model on a device mesh.",
+        epilog="Overrides name any config field, e.g. model.residual=delta train.steps=100 "
+               "mesh.fsdp=8 optimizer.lr=3e-4 train.init_from=ckpt/qwen3-0.6b.")
+    parser.add_argument("--config", help="a YAML run file (configs/*.yaml); defaults otherwise")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    if args.print_config:
+        from delta_jax.train.config import dump_config
+
+        print(dump_config(cfg), end="")
+        return
+    initialize_distributed(cfg.distributed)
+    from delta_jax.train.loop import run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

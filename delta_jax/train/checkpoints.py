@@ -1,0 +1,87 @@
+"""Full train-state checkpoints on top of the model layout of delta_jax/checkpoint.py.
+
+Each step directory (under checkpoint.directory, by default <output_dir>/checkpoints; a gs://
+bucket works) holds the model items of that layout
+(`params`, `model_config`, so restore_model and the converter read a training checkpoint as a
+model) plus
+  opt_state  the optax state (StandardSave)
+  run        {"step", "seed", "config": the whole RunConfig} (JsonSave)
+  data       the grain iterator's state, one file per process (grain.checkpoint)
+Saves are asynchronous: `save` returns once the arrays are copied to host memory, so the next
+step may donate them. Orbax finalises a step directory atomically, so `latest_step` only ever
+names a complete checkpoint. Restoring takes a target state whose leaves carry the shardings of
+the current mesh, which may differ from the one that saved.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from delta_jax.checkpoint import MODEL_CONFIG, PARAMS, config_from_json, config_to_json
+from delta_jax.config import ModelConfig
+from delta_jax.train.config import CheckpointConfig
+from delta_jax.train.state import TrainState
+
+OPT_STATE = "opt_state"
+RUN = "run"
+DATA = "data"
+
+
+class Checkpointer:
+    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig):
+        path = epath.Path(directory)
+        self.directory = path if "://" in str(directory) else path.absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, state: TrainState, data_iterator: grain.DatasetIterator,
+             model_config: ModelConfig, run: dict[str, Any]) -> None:
+        """Start saving `state` at its step (returns before the files are written)."""
+        step = int(jax.device_get(state.step))
+        self._manager.save(step, args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(state.params),
+            OPT_STATE: ocp.args.StandardSave(state.opt_state),
+            MODEL_CONFIG: ocp.args.JsonSave(config_to_json(model_config)),
+            RUN: ocp.args.JsonSave({"step": step, **run}),
+            DATA: grain.checkpoint.CheckpointSave(data_iterator),
+        }))
+
+    def restore(self, step: int, target: TrainState, data_iterator: grain.DatasetIterator
+                ) -> tuple[TrainState, ModelConfig, dict, bool]:
+        """(state on target's shardings, the saved ModelConfig, the run record, whether the data
+        iterator was restored). The iterator is moved to where it was at `step` if the
+        checkpoint was saved by as many processes as there are now (grain keeps one state per
+        process); otherwise it is left alone for the caller."""
+        items = {
+            PARAMS: ocp.args.StandardRestore(target.params),
+            OPT_STATE: ocp.args.StandardRestore(target.opt_state),
+            MODEL_CONFIG: ocp.args.JsonRestore(),
+            RUN: ocp.args.JsonRestore(),
+        }
+        process_file = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        data_restored = (self.directory / str(step) / DATA / process_file).exists()
+        if data_restored:
+            items[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        where = self.directory / str(step)
+        model_config = config_from_json(restored[MODEL_CONFIG], source=f"{where}/{MODEL_CONFIG}")
+        run = restored[RUN]
+        state = TrainState(step=jax.device_put(jax.numpy.int32(run["step"]), target.step.sharding),
+                           params=restored[PARAMS], opt_state=restored[OPT_STATE])
+        return state, model_config, run, data_restored
+
+    def wait(self) -> None:
+        """Block until pending saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()

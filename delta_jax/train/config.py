@@ -1,0 +1,235 @@
+"""Run configuration: YAML files and `section.key=value` overrides -> frozen dataclasses.
+
+A run file has top-level keys `output_dir` and `seed` and one mapping per section (model, data,
+train, optimizer, checkpoint, mesh, distributed). Unknown keys are rejected with the list of valid
+ones; values are checked against the field types (ints for int fields, "1e-4" is a float, null
+for optional fields), so a typo fails before anything is compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from delta_jax.config import ModelConfig
+
+DECAY_MASKS = ("all", "matrices")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    # "embedded" (the stdlib-docstring corpus, byte tokenizer), a directory written by
+    # `python -m delta_jax.data prepare`, or "tfds:NAME?data_dir=...&tokenizer=...".
+    path: str = "embedded"
+    cache_dir: str = "data/cache"  # where "embedded" is built and prepared on first use
+    validation_split: str = "validation"
+    num_threads: int = 2  # grain read-ahead threads per process
+    prefetch: int = 4  # batches read ahead
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 8  # global, in sequences, per optimizer step
+    seq_len: int = 256
+    grad_accum: int = 1  # microbatches per step; batch_size must divide by it
+    log_every: int = 10
+    eval_every: int = 100  # validation perplexity; 0 = only at the end
+    eval_batches: int = 8  # global validation batches per evaluation (fewer if the split ends)
+    routing_every: int = 100  # routing sharpness; 0 = only at the end
+    init_from: str | None = None  # a model checkpoint (delta_jax.checkpoint layout) to fine-tune
+    peak_tflops: float | None = None  # per-device peak for MFU; None = the table in metrics.py
+    tensorboard: bool = True
+    plots: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5  # the cosine's floor
+    warmup_steps: int = 1000
+    decay_steps: int | None = None  # warmup included; None = train.steps
+    routing_lr: float | None = None  # peak lr of the routing parameters; None = lr
+    routing_min_lr: float | None = None  # None = min_lr
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    # "all" decays every parameter (the reference); "matrices" spares norms, embeddings and
+    # routing vectors.
+    decay: str = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    # None = <output_dir>/checkpoints; may be a bucket (gs://...) that every host reaches.
+    directory: str | None = None
+    every: int = 1000  # steps between saves; 0 = only at the end
+    keep: int = 3  # newest checkpoints kept
+    async_save: bool = True
+    # Continue from the newest complete checkpoint; false refuses to start over existing ones.
+    resume: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    # Devices per axis; one axis may be -1 ("all the remaining devices").
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    # jax.distributed.initialize(); with the three fields below unset, SLURM and Cloud TPU
+    # detect themselves. launch/local.sh sets them for processes on one machine.
+    enabled: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0  # parameter init and data order
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    def __post_init__(self):
+        t, o = self.train, self.optimizer
+        checks = [
+            (t.steps >= 1, "train.steps", t.steps, "an integer >= 1"),
+            (t.batch_size >= 1, "train.batch_size", t.batch_size, "an integer >= 1"),
+            (t.seq_len >= 1, "train.seq_len", t.seq_len, "an integer >= 1"),
+            (t.grad_accum >= 1 and t.batch_size % t.grad_accum == 0, "train.grad_accum",
+             t.grad_accum, f"a divisor of train.batch_size={t.batch_size}"),
+            (t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1"),
+            (o.decay in DECAY_MASKS, "optimizer.decay", o.decay, " or ".join(DECAY_MASKS)),
+            (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
+            (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
+             "an integer >= 1"),
+            (sum(getattr(self.mesh, a) == -1 for a in ("data", "fsdp", "tensor")) <= 1
+             and all(getattr(self.mesh, a) == -1 or getattr(self.mesh, a) >= 1
+                     for a in ("data", "fsdp", "tensor")),
+             "mesh", dataclasses.asdict(self.mesh), "sizes >= 1 with at most one -1"),
+        ]
+        for ok, key, value, expected in checks:
+            if not ok:
+                raise ValueError(f"{key}={value!r} is invalid: expected {expected}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
+    """`value` (from YAML, or a string from the command line) as type `kind`, or an error."""
+    def fail():
+        name = getattr(kind, "__name__", str(kind))
+        raise ValueError(f"{where}: {key}={value!r} is invalid: expected {name}")
+
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `X | None`
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        (kind,) = [a for a in typing.get_args(kind) if a is not type(None)]
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if not isinstance(value, bool):
+            fail()
+        return value
+    if kind is int:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                fail()
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail()
+        return value
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                fail()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail()
+        return float(value)
+    if kind is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            fail()
+        return str(value)
+    raise TypeError(f"unsupported config field type {kind!r} for {key}")
+
+
+def _build(cls, values: dict[str, Any], prefix: str, where: str):
+    types_ = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(types_))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(prefix + k for k in unknown)}; "
+                         f"valid keys: {', '.join(prefix + k for k in types_)}")
+    kwargs = {}
+    for key, value in values.items():
+        kind = types_[key]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: {prefix}{key} must be a mapping of "
+                                 f"{kind.__name__} fields, got {value!r}")
+            kwargs[key] = _build(kind, value, f"{prefix}{key}.", where)
+        else:
+            kwargs[key] = _coerce(value, kind, prefix + key, where)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: str) -> None:
+    *sections, key = dotted.split(".")
+    for section in sections:
+        node = tree.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted}: {section} is not a section")
+        tree = node
+    tree[key] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """RunConfig from a YAML file (or the defaults) and `section.key=value` overrides.
+
+    Override values are parsed by the field's type, so `optimizer.lr=1e-4` and
+    `train.init_from=null` work as written.
+    """
+    tree: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: expected a mapping of sections, got {type(tree).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected section.key=value")
+        _set_dotted(tree, key.strip(), value.strip())
+    if overrides:
+        where += " + overrides " + " ".join(overrides)
+    return _build(RunConfig, tree, "", where)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,329 @@
+"""The training run: data, state (fresh, fine-tuned or resumed), the step loop, evaluation,
+checkpoints, metrics and the end-of-run summary.
+
+Every process runs this same code (SPMD). Each reads its own rows of the global batch; the
+global batch of step s is a pure function of (seed, s), and the step is deterministic, so a
+resumed run repeats the uninterrupted one exactly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from delta_jax.checkpoint import restore_model, restore_model_config
+from delta_jax.config import RUNTIME_FIELDS
+from delta_jax.data.pipeline import build_batch_iterator, build_eval_iterator, to_global_array
+from delta_jax.model.causal_lm import count_params
+from delta_jax.sharding import batch_sharding, make_mesh
+from delta_jax.train import metrics as metrics_lib
+from delta_jax.train import plots
+from delta_jax.train.checkpoints import Checkpointer
+from delta_jax.train.config import MeshConfig, RunConfig, dump_config
+from delta_jax.train.optimizer import make_optimizer, schedules
+from delta_jax.train.state import (TrainState, abstract_model, abstract_state, init_state,
+                                   state_from_params, state_specs, to_shardings)
+from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
+
+# ModelConfig fields that only shape a fresh initialisation: a checkpoint may differ in them.
+INIT_ONLY_FIELDS = ("router_init", "init_std")
+# Changing these between a checkpoint and its resumption would change which batch a step reads.
+DATA_ORDER_KEYS = (("seed",), ("data", "path"), ("train", "batch_size"), ("train", "seq_len"))
+
+
+def build_mesh(cfg: MeshConfig) -> Mesh:
+    """The configured mesh over all devices of all processes; a -1 axis takes the rest."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    devices = jax.device_count()
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    for axis, n in sizes.items():
+        if n == -1:
+            if devices % fixed:
+                raise ValueError(f"mesh.{axis}=-1: {devices} devices do not split over the "
+                                 f"other axes' {fixed}")
+            sizes[axis] = devices // fixed
+    return make_mesh(**sizes)
+
+
+def data_source(cfg: RunConfig) -> str | Path:
+    if cfg.data.path == "embedded":
+        from delta_jax.data.corpus import default_prepared_data
+
+        return default_prepared_data(cfg.data.cache_dir, cfg.train.seq_len)
+    return cfg.data.path
+
+
+def _check_batch(cfg: RunConfig, mesh: Mesh) -> None:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = cfg.train.batch_size // cfg.train.grad_accum
+    if rows % shards or cfg.train.batch_size % jax.process_count():
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} with train.grad_accum="
+            f"{cfg.train.grad_accum} gives microbatches of {rows} rows, which must split over "
+            f"mesh data x fsdp = {shards} devices and {jax.process_count()} processes")
+
+
+def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
+    current = cfg.to_dict()
+    for keys in DATA_ORDER_KEYS:
+        old, new = saved, current
+        for k in keys:
+            old, new = old[k], new[k]
+        if old != new:
+            name = ".".join(keys)
+            raise ValueError(f"{where}: saved with {name}={old!r}, resuming with {new!r} would "
+                             f"change the data order; set {name}={old!r} or use a new output_dir")
+
+
+def _check_architecture(saved, cfg, where: Path) -> None:
+    diff = {k: (v, getattr(cfg, k)) for k, v in saved.architecture().items()
+            if k not in INIT_ONLY_FIELDS and getattr(cfg, k) != v}
+    if diff:
+        raise ValueError(f"{where}: model_config differs from the run's model in "
+                         + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})"
+                                     for k, (a, b) in sorted(diff.items())))
+
+
+def _global_batches(iterator: Iterator, sharding) -> Iterator[dict[str, jax.Array]]:
+    for local in iterator:
+        yield to_global_array(local, sharding)
+
+
+class Trainer:
+    """One run of RunConfig; `run()` trains to train.steps and returns the summary."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.is_main = jax.process_index() == 0
+        self.mesh = build_mesh(cfg.mesh)
+        _check_batch(cfg, self.mesh)
+        self.model_cfg = cfg.model
+        self.data = data_source(cfg)
+        self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+        self.lrs = schedules(cfg.optimizer, cfg.train.steps)
+        self.graphdef, _ = abstract_model(self.model_cfg)
+        self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
+        self.batch_sharding = batch_sharding(self.mesh)
+        self.checkpointer = Checkpointer(cfg.checkpoint.directory or str(self.out / "checkpoints"),
+                                         cfg.checkpoint)
+        self.train_iter = build_batch_iterator(
+            self.data, split="train", seq_len=cfg.train.seq_len,
+            global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+            num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch)
+        self.probe_ids = next(self._eval_batches())["input_ids"]  # fails early on a bad split
+        self.step_fn = make_train_step(self.graphdef, self.tx, self.lrs, cfg.train.grad_accum,
+                                       self.shardings, self.mesh)
+        self.eval_fn = make_eval_step(self.graphdef, self.shardings.params, self.mesh)
+        self.probe_fn = make_routing_probe(self.graphdef, self.shardings.params, self.mesh)
+        self.flops_per_token = metrics_lib.train_flops_per_token(self.model_cfg,
+                                                                 cfg.train.seq_len)
+        self.peak_flops = metrics_lib.device_peak_flops(jax.devices()[0].device_kind,
+                                                        cfg.train.peak_tflops)
+        self.last_routing: dict[str, Any] | None = None
+
+    # State ------------------------------------------------------------------------------
+    def initial_state(self) -> tuple[TrainState, str]:
+        """(state, how it was obtained): resumed > fine-tuned from init_from > fresh."""
+        cfg = self.cfg
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not cfg.checkpoint.resume:
+            raise ValueError(f"{self.checkpointer.directory}: holds checkpoints up to step "
+                             f"{latest} and checkpoint.resume=false; choose a new output_dir "
+                             "(or checkpoint.directory) or remove them")
+        if latest is not None:
+            target = abstract_state(self.model_cfg, self.tx, self.shardings)
+            state, saved_model, run, data_restored = self.checkpointer.restore(
+                latest, target, self.train_iter)
+            where = self.checkpointer.directory / str(latest)
+            _check_architecture(saved_model, self.model_cfg, where)
+            _check_resumable(run["config"], cfg, where)
+            if not data_restored:
+                if str(self.data).startswith("tfds:"):
+                    raise ValueError(f"{where}: saved by another number of processes; a TFDS "
+                                     "stream resumes only with the same number")
+                # Prepared data: the iterator's position is the step (data/pipeline.py).
+                self.train_iter.set_state({"next_index": latest})
+            return state, f"resumed from {where}"
+        if cfg.train.init_from:
+            where = Path(cfg.train.init_from)
+            _check_architecture(restore_model_config(where), self.model_cfg, where)
+            runtime = {k: getattr(self.model_cfg, k) for k in RUNTIME_FIELDS}
+            model = restore_model(where, mesh=self.mesh, **runtime)
+            params = nnx.state(model, nnx.Param).to_pure_dict()
+            return (state_from_params(params, self.tx, self.shardings),
+                    f"initialised from {where}")
+        return init_state(self.model_cfg, self.tx, self.shardings, cfg.seed), "initialised fresh"
+
+    # Evaluation -------------------------------------------------------------------------
+    def _eval_batches(self) -> Iterator[dict[str, jax.Array]]:
+        cfg = self.cfg
+        iterator = build_eval_iterator(self.data, seq_len=cfg.train.seq_len,
+                                       global_batch_size=cfg.train.batch_size,
+                                       split=cfg.data.validation_split)
+        return _global_batches(iterator, self.batch_sharding)
+
+    def evaluate(self, params: dict) -> dict[str, float]:
+        """Validation loss and perplexity over up to train.eval_batches batches."""
+        total, batches = 0.0, 0
+        for batch in self._eval_batches():
+            total += float(self.eval_fn(params, batch))
+            batches += 1
+            if batches == self.cfg.train.eval_batches:
+                break
+        loss = total / (batches * self.cfg.train.batch_size * self.cfg.train.seq_len)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_batches": batches}
+
+    def routing(self, params: dict) -> dict[str, Any]:
+        """Sharpness per site [L][2] (NaN at unused sites) on the first validation batch."""
+        stats = jax.device_get(self.probe_fn(params, self.probe_ids))
+        self.last_routing = stats
+        return {k: np.asarray(v) for k, v in stats.items() if k != "mean_weights"}
+
+    # The run ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(dump_config(cfg))
+            print(f"config ({self.out / 'config.yaml'}):\n{dump_config(cfg)}", flush=True)
+        with jax.set_mesh(self.mesh):
+            state, origin = self.initial_state()
+            start = int(jax.device_get(state.step))
+            writer = metrics_lib.MetricsWriter(self.out, write_files=self.is_main,
+                                               tensorboard=t.tensorboard, resume_step=start)
+            self._announce(origin, start)
+            try:
+                summary = self._loop(state, start, writer)
+            finally:
+                writer.close()
+                self.checkpointer.wait()
+                self.checkpointer.close()
+        summary.update(self._finish(writer.path, summary["last_saved"]))
+        if self.is_main:
+            print(summary_table(summary), flush=True)
+        return summary
+
+    def _announce(self, origin: str, start: int) -> None:
+        if not self.is_main:
+            return
+        mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
+        print(f"{jax.device_count()} {jax.devices()[0].platform} device(s) in "
+              f"{jax.process_count()} process(es); mesh {mesh}", flush=True)
+        print(f"model: {self.model_cfg.residual}, {count_params(self.model_cfg):,} parameters, "
+              f"{self.flops_per_token / 1e9:.3f} GFLOPs per training token; {origin} "
+              f"(step {start})", flush=True)
+
+    def _loop(self, state: TrainState, start: int, writer) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        batches = _global_batches(self.train_iter, self.batch_sharding)
+        began = time.perf_counter()
+        compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
+        compile_s = time.perf_counter() - began
+        if self.is_main:
+            print(f"train step compiled in {compile_s:.1f} s", flush=True)
+        if start == 0:
+            writer.write(0, t.steps, self.evaluate(state.params))
+        window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
+        # Step time is wall time between logs less `paused`: evaluation, checkpointing, logging.
+        window_start, paused = time.perf_counter(), 0.0
+        for step in range(start + 1, t.steps + 1):
+            state, step_metrics = compiled(state, next(batches))
+            window.append(step_metrics)
+            last = step == t.steps
+            record = {}
+            if step % t.log_every == 0 or last:
+                fetched = jax.device_get(window)  # waits for the window's steps
+                elapsed = time.perf_counter() - window_start - paused
+                record = self._train_record(fetched, elapsed, step)
+                first_loss = float(fetched[0]["loss"]) if first_loss is None else first_loss
+                train_s += elapsed
+                window, window_start, paused = [], time.perf_counter(), 0.0
+            began = time.perf_counter()
+            if (t.eval_every and step % t.eval_every == 0) or last:
+                record.update(self.evaluate(state.params))
+            if self.model_cfg.has_routing and ((t.routing_every and step % t.routing_every == 0)
+                                               or last):
+                record["routing"] = self.routing(state.params)
+            if record:
+                writer.write(step, t.steps, record)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
+                self.checkpointer.save(state, self.train_iter, self.model_cfg,
+                                       {"seed": cfg.seed, "config": cfg.to_dict()})
+                last_saved = step
+            paused += time.perf_counter() - began
+        if start >= t.steps:  # nothing left to train: report on the final state
+            record = self.evaluate(state.params)
+            if self.model_cfg.has_routing:
+                record["routing"] = self.routing(state.params)
+        return {"steps": t.steps, "start_step": start, "compile_s": compile_s,
+                "train_s": train_s, "first_loss": first_loss,
+                "final": {**record, "step": t.steps}, "last_saved": last_saved}
+
+    def _train_record(self, window: list[dict], elapsed: float, step: int) -> dict[str, Any]:
+        """Scalars of the steps since the last log (losses and grad norms averaged)."""
+        t = self.cfg.train
+        step_time = elapsed / len(window)
+        tokens_per_s = t.batch_size * t.seq_len / step_time
+        mfu = (None if self.peak_flops is None else
+               self.flops_per_token * tokens_per_s / (self.peak_flops * jax.device_count()))
+        return {"loss": float(np.mean([m["loss"] for m in window])),
+                "lr": float(window[-1]["lr"]), "routing_lr": float(window[-1]["routing_lr"]),
+                "grad_norm": float(np.mean([m["grad_norm"] for m in window])),
+                "tokens_per_s": tokens_per_s, "step_time_s": step_time, "mfu": mfu,
+                "eta_s": (t.steps - step) * step_time, "tokens": step * t.batch_size * t.seq_len}
+
+    def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        shape = (self.cfg.train.batch_size, self.cfg.train.seq_len)
+        spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding)
+        return {"input_ids": spec, "labels": spec}
+
+    def _finish(self, metrics_path: Path, checkpoint_step: int) -> dict[str, Any]:
+        """Plots (process 0) and the paths a user looks for next."""
+        paths = {"output_dir": str(self.out),
+                 "checkpoint": str(self.checkpointer.directory / str(checkpoint_step)),
+                 "metrics": str(metrics_path)}
+        if not (self.is_main and self.cfg.train.plots):
+            return paths
+        plot_dir = self.out / "plots"
+        plot_dir.mkdir(exist_ok=True)
+        name = f"{self.model_cfg.residual} ({self.out.name})"
+        paths["loss_plot"] = str(plots.plot_loss(metrics_lib.read_metrics(metrics_path),
+                                                 plot_dir / "loss.png", name))
+        if self.last_routing is not None:
+            paths["routing_plot"] = str(plots.plot_routing(
+                [np.asarray(w) for w in self.last_routing["mean_weights"]],
+                plots.site_labels(self.model_cfg), plot_dir / "routing.png",
+                f"routing weights, {name}"))
+        return paths
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    final = summary["final"]
+    rows = [("steps", f"{summary['start_step']} -> {summary['steps']}")]
+    if summary["first_loss"] is not None and final.get("loss") is not None:
+        rows.append(("train loss", f"{summary['first_loss']:.4f} -> {final['loss']:.4f} "
+                                   "(mean of the last logged window)"))
+    if "val_loss" in final:
+        rows.append(("validation", f"loss {final['val_loss']:.4f}, "
+                                   f"perplexity {final['val_ppl']:.2f}"))
+    if final.get("tokens_per_s") is not None:
+        rows.append(("throughput", f"{final['tokens_per_s']:,.0f} tokens/s"))
+    rows.append(("time", f"compile {summary['compile_s']:.1f} s, training "
+                         f"{summary['train_s']:.1f} s"))
+    for key in ("checkpoint", "metrics", "loss_plot", "routing_plot"):
+        if key in summary:
+            rows.append((key.replace("_", " "), summary[key]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    return Trainer(cfg).run()
+

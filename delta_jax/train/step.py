@@ -1,0 +1,101 @@
+"""The jitted train step, the validation step and the routing probe.
+
+Conventions: B global batch, A microbatches (gradient accumulation), T sequence, V vocab, L
+layers, N sources of a site. Batches are {"input_ids", "labels"} int32 [B, T] with labels already
+shifted. Every function here is jax.jit with explicit in/out shardings; the train step donates
+the state. Call them under `jax.set_mesh(mesh)` so that the model's activation constraints apply.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from delta_jax.sharding import batch_sharding
+from delta_jax.train.state import TrainState
+
+Batch = dict[str, jax.Array]
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """logits [B,T,V] any float dtype, labels [B,T] -> mean next-token CE, float32 []."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels).mean()
+
+
+def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
+    model = nnx.merge(graphdef, nnx.State(params))
+    return cross_entropy(model(batch["input_ids"]), batch["labels"])
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    lr_schedules: dict[str, optax.Schedule], grad_accum: int,
+                    state_shardings: TrainState, mesh: Mesh) -> Callable:
+    """(state, batch [B,T]) -> (state, metrics {loss, grad_norm, lr, routing_lr}: float32 []).
+
+    With grad_accum A the batch is split into A microbatches of B/A rows that are run one after
+    another under a scan and whose gradients are averaged (so the loss is the mean over the
+    batch, like one pass over B rows). Microbatch a takes rows a, A + a, 2A + a, ...: each
+    device's contiguous block of rows splits locally, without moving data between devices.
+    """
+    grad_fn = jax.value_and_grad(lambda p, b: _loss(graphdef, p, b))
+    micro_sharding = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
+
+    def step(state: TrainState, batch: Batch):
+        micro = {k: jax.lax.with_sharding_constraint(
+            v.reshape(-1, grad_accum, v.shape[-1]).swapaxes(0, 1), micro_sharding)
+            for k, v in batch.items()}  # [A, B/A, T]
+
+        # The float32 gradient sum is sharded like the parameters (FSDP keeps it distributed).
+        def shard_like_params(tree):
+            return jax.lax.with_sharding_constraint(tree, state_shardings.params)
+
+        def accumulate(carry, microbatch):
+            loss, grads = grad_fn(state.params, microbatch)
+            total_loss, total_grads = carry
+            total_grads = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total_grads, grads)
+            return (total_loss + loss, shard_like_params(total_grads)), None
+
+        zeros = shard_like_params(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
+        grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss / grad_accum, "grad_norm": optax.global_norm(grads),
+                   "lr": lr_schedules["base"](state.step),
+                   "routing_lr": lr_schedules["routing"](state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh)),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
+    """(params, batch [B,T]) -> summed token CE float32 [] (divide by B*T over batches)."""
+    def evaluate(params: dict, batch: Batch) -> jax.Array:
+        logits = nnx.merge(graphdef, nnx.State(params))(batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch["labels"]).sum()
+
+    return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=NamedSharding(mesh, P()))
+
+
+def make_routing_probe(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
+    """(params, input_ids [B,T]) -> {"max_weight", "entropy", "normalized_entropy": [L,2]
+    (NaN at unused sites), "final_*": [] (block, full), "mean_weights": a list, one [N] per used
+    site in call order (the last is the final site), of weights averaged over tokens}."""
+    def probe(params: dict, input_ids: jax.Array) -> dict:
+        _, routing = nnx.merge(graphdef, nnx.State(params))(input_ids, return_routing=True)
+        stats = routing.statistics()
+        stats["mean_weights"] = [w.mean(axis=(1, 2)) for w in routing.calls()]
+        return stats
+
+    return jax.jit(probe, in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=NamedSharding(mesh, P()))
