@@ -43,9 +43,20 @@ def main(argv: list[str] | None = None) -> None:
         print(dump_config(cfg), end="")
         return
     initialize_distributed(cfg.distributed)
+    from delta_jax.train import faults
     from delta_jax.train.loop import run
 
-    run(cfg)
+    # Exit codes: docs/recovery.md and delta_jax/train/faults.py.
+    try:
+        run(cfg)
+    except faults.PreflightError as e:
+        sys.exit(f"error: {e}")
+    except faults.Preempted as e:
+        print(e, flush=True)
+        sys.exit(faults.EXIT_PREEMPTED)
+    except faults.NonFiniteStop as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(faults.EXIT_NONFINITE)
 
 
 if __name__ == "__main__":

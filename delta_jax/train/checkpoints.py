@@ -9,8 +9,11 @@ model) plus
   data       the grain iterator's state, one file per process (grain.checkpoint)
 Saves are asynchronous: `save` returns once the arrays are copied to host memory, so the next
 step may donate them. Orbax finalises a step directory atomically, so `latest_step` only ever
-names a complete checkpoint. Restoring takes a target state whose leaves carry the shardings of
-the current mesh, which may differ from the one that saved.
+names a complete checkpoint (a save killed midway leaves a temporary directory, removed at the
+next start). A complete but damaged one (truncated or deleted files) is only found by reading
+it: the trainer then `quarantine`s it and falls back to the previous step. Restoring takes a
+target state whose leaves carry the shardings of the current mesh, which may differ from the
+one that saved.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from delta_jax.checkpoint import MODEL_CONFIG, PARAMS, config_from_json, config_to_json
 from delta_jax.config import ModelConfig
@@ -38,10 +42,36 @@ class Checkpointer:
         self.directory = path if "://" in str(directory) else path.absolute()
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(
-                max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True))
+                max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
+                cleanup_tmp_directories=True))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, newest first."""
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def restore_configs(self, step: int) -> tuple[ModelConfig, dict]:
+        """(the saved ModelConfig, the run record) without reading any array."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            **{MODEL_CONFIG: ocp.args.JsonRestore(), RUN: ocp.args.JsonRestore()}))
+        where = self.directory / str(step) / MODEL_CONFIG
+        return config_from_json(restored[MODEL_CONFIG], source=str(where)), restored[RUN]
+
+    def quarantine(self, step: int) -> epath.Path:
+        """Rename a damaged step directory to `<step>.corrupt` (no longer a step, kept for
+        inspection) so that the step can be saved again; returns the new path."""
+        src = self.directory / str(step)
+        dst = self.directory / f"{step}.corrupt"
+        if jax.process_index() == 0:
+            if dst.exists():
+                dst.rmtree()
+            src.rename(dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"quarantine {step}")
+        self._manager.reload()
+        return dst
 
     def save(self, state: TrainState, data_iterator: grain.DatasetIterator,
              model_config: ModelConfig, run: dict[str, Any]) -> None:

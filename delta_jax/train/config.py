@@ -45,6 +45,11 @@ class TrainConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None = the table in metrics.py
     tensorboard: bool = True
     plots: bool = True
+    # Consecutive steps with a non-finite loss or gradient (each skipped: parameters and
+    # optimizer state untouched) after which the run stops; see docs/recovery.md.
+    max_nonfinite_steps: int = 10
+    # For tests only: steps (1-based) whose loss is made NaN inside the jitted step.
+    inject_nan_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,8 @@ class RunConfig:
             (t.grad_accum >= 1 and t.batch_size % t.grad_accum == 0, "train.grad_accum",
              t.grad_accum, f"a divisor of train.batch_size={t.batch_size}"),
             (t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1"),
+            (t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", t.max_nonfinite_steps,
+             "an integer >= 1"),
             (o.decay in DECAY_MASKS, "optimizer.decay", o.decay, " or ".join(DECAY_MASKS)),
             (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
@@ -142,6 +149,13 @@ def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
             return None
         (kind,) = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is tuple:  # tuple[X, ...]: a YAML list or "a,b,c"
+        (item, _) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            fail()
+        return tuple(_coerce(v, item, key, where) for v in value)
     if kind is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"

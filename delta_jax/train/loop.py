@@ -8,6 +8,7 @@ resumed run repeats the uninterrupted one exactly.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from delta_jax.checkpoint import restore_model, restore_model_config
@@ -26,6 +28,8 @@ from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import plots
 from delta_jax.train.checkpoints import Checkpointer
 from delta_jax.train.config import MeshConfig, RunConfig, dump_config
+from delta_jax.train.faults import (NonFiniteStop, Preempted, PreflightError, StopSignals,
+                                    check_writable, state_bytes)
 from delta_jax.train.optimizer import make_optimizer, schedules
 from delta_jax.train.state import (TrainState, abstract_model, abstract_state, init_state,
                                    state_from_params, state_specs, to_shardings)
@@ -77,7 +81,7 @@ def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
             old, new = old[k], new[k]
         if old != new:
             name = ".".join(keys)
-            raise ValueError(f"{where}: saved with {name}={old!r}, resuming with {new!r} would "
+            raise PreflightError(f"{where}: saved with {name}={old!r}, resuming with {new!r} would "
                              f"change the data order; set {name}={old!r} or use a new output_dir")
 
 
@@ -85,7 +89,7 @@ def _check_architecture(saved, cfg, where: Path) -> None:
     diff = {k: (v, getattr(cfg, k)) for k, v in saved.architecture().items()
             if k not in INIT_ONLY_FIELDS and getattr(cfg, k) != v}
     if diff:
-        raise ValueError(f"{where}: model_config differs from the run's model in "
+        raise PreflightError(f"{where}: model_config differs from the run's model in "
                          + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})"
                                      for k, (a, b) in sorted(diff.items())))
 
@@ -105,21 +109,30 @@ class Trainer:
         self.mesh = build_mesh(cfg.mesh)
         _check_batch(cfg, self.mesh)
         self.model_cfg = cfg.model
-        self.data = data_source(cfg)
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
         self.lrs = schedules(cfg.optimizer, cfg.train.steps)
         self.graphdef, _ = abstract_model(self.model_cfg)
         self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
-        self.checkpointer = Checkpointer(cfg.checkpoint.directory or str(self.out / "checkpoints"),
-                                         cfg.checkpoint)
-        self.train_iter = build_batch_iterator(
-            self.data, split="train", seq_len=cfg.train.seq_len,
-            global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-            num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch)
-        self.probe_ids = next(self._eval_batches())["input_ids"]  # fails early on a bad split
+        # Preflight: fail here, with the path at fault, rather than at the first save.
+        checkpoint_dir = cfg.checkpoint.directory or str(self.out / "checkpoints")
+        if self.is_main:
+            check_writable(self.out, 0)
+        check_writable(checkpoint_dir, state_bytes(
+            abstract_state(self.model_cfg, self.tx, self.shardings)))
+        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint)
+        try:
+            self.data = data_source(cfg)
+            self.train_iter = build_batch_iterator(
+                self.data, split="train", seq_len=cfg.train.seq_len,
+                global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch)
+            self.probe_ids = next(self._eval_batches())["input_ids"]
+        except (OSError, ValueError, StopIteration) as e:
+            raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
+                                 f"({type(e).__name__}: {e})") from e
         self.step_fn = make_train_step(self.graphdef, self.tx, self.lrs, cfg.train.grad_accum,
-                                       self.shardings, self.mesh)
+                                       self.shardings, self.mesh, cfg.train.inject_nan_steps)
         self.eval_fn = make_eval_step(self.graphdef, self.shardings.params, self.mesh)
         self.probe_fn = make_routing_probe(self.graphdef, self.shardings.params, self.mesh)
         self.flops_per_token = metrics_lib.train_flops_per_token(self.model_cfg,
@@ -127,6 +140,7 @@ class Trainer:
         self.peak_flops = metrics_lib.device_peak_flops(jax.devices()[0].device_kind,
                                                         cfg.train.peak_tflops)
         self.last_routing: dict[str, Any] | None = None
+        self.skipped_in_a_row, self.skipped_total = 0, 0
 
     # State ------------------------------------------------------------------------------
     def initial_state(self) -> tuple[TrainState, str]:
@@ -137,20 +151,9 @@ class Trainer:
             raise ValueError(f"{self.checkpointer.directory}: holds checkpoints up to step "
                              f"{latest} and checkpoint.resume=false; choose a new output_dir "
                              "(or checkpoint.directory) or remove them")
-        if latest is not None:
-            target = abstract_state(self.model_cfg, self.tx, self.shardings)
-            state, saved_model, run, data_restored = self.checkpointer.restore(
-                latest, target, self.train_iter)
-            where = self.checkpointer.directory / str(latest)
-            _check_architecture(saved_model, self.model_cfg, where)
-            _check_resumable(run["config"], cfg, where)
-            if not data_restored:
-                if str(self.data).startswith("tfds:"):
-                    raise ValueError(f"{where}: saved by another number of processes; a TFDS "
-                                     "stream resumes only with the same number")
-                # Prepared data: the iterator's position is the step (data/pipeline.py).
-                self.train_iter.set_state({"next_index": latest})
-            return state, f"resumed from {where}"
+        for step in self.checkpointer.steps():
+            if (resumed := self._resume(step)) is not None:
+                return resumed
         if cfg.train.init_from:
             where = Path(cfg.train.init_from)
             _check_architecture(restore_model_config(where), self.model_cfg, where)
@@ -160,6 +163,43 @@ class Trainer:
             return (state_from_params(params, self.tx, self.shardings),
                     f"initialised from {where}")
         return init_state(self.model_cfg, self.tx, self.shardings, cfg.seed), "initialised fresh"
+
+    def _resume(self, step: int) -> tuple[TrainState, str] | None:
+        """The state saved at `step`, or None (reported and quarantined) if it is damaged.
+
+        The configs are read and compared first, so a changed model or data order is refused
+        with the differing fields rather than failing inside Orbax as a "damaged" checkpoint.
+        """
+        where = self.checkpointer.directory / str(step)
+        # Damage shows up as whatever the reader hit (JSON, tensorstore, missing files), so any
+        # exception while reading counts; config mismatches are raised outside these `try`s.
+        try:
+            saved_model, run = self.checkpointer.restore_configs(step)
+        except Exception as e:  # noqa: BLE001
+            return self._damaged(step, e)
+        _check_architecture(saved_model, self.model_cfg, where)
+        _check_resumable(run["config"], self.cfg, where)
+        target = abstract_state(self.model_cfg, self.tx, self.shardings)
+        try:
+            state, _, _, data_restored = self.checkpointer.restore(step, target, self.train_iter)
+        except Exception as e:  # noqa: BLE001
+            return self._damaged(step, e)
+        if not data_restored:
+            if str(self.data).startswith("tfds:"):
+                raise ValueError(f"{where}: saved by another number of processes; a TFDS "
+                                 "stream resumes only with the same number")
+            # Prepared data: the iterator's position is the step (data/pipeline.py).
+            self.train_iter.set_state({"next_index": step})
+        return state, f"resumed from {where}"
+
+    def _damaged(self, step: int, error: Exception) -> None:
+        moved = self.checkpointer.quarantine(step)
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        if self.is_main:
+            print(f"damaged checkpoint {self.checkpointer.directory / str(step)} "
+                  f"({type(error).__name__}: {first_line}); moved to {moved}, trying the "
+                  "previous one", flush=True)
+        return None
 
     # Evaluation -------------------------------------------------------------------------
     def _eval_batches(self) -> Iterator[dict[str, jax.Array]]:
@@ -200,7 +240,8 @@ class Trainer:
                                                tensorboard=t.tensorboard, resume_step=start)
             self._announce(origin, start)
             try:
-                summary = self._loop(state, start, writer)
+                with StopSignals() as signals:
+                    summary = self._loop(state, start, writer, signals)
             finally:
                 writer.close()
                 self.checkpointer.wait()
@@ -220,7 +261,8 @@ class Trainer:
               f"{self.flops_per_token / 1e9:.3f} GFLOPs per training token; {origin} "
               f"(step {start})", flush=True)
 
-    def _loop(self, state: TrainState, start: int, writer) -> dict[str, Any]:
+    def _loop(self, state: TrainState, start: int, writer, signals: StopSignals
+              ) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         batches = _global_batches(self.train_iter, self.batch_sharding)
         began = time.perf_counter()
@@ -233,8 +275,12 @@ class Trainer:
         window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
         # Step time is wall time between logs less `paused`: evaluation, checkpointing, logging.
         window_start, paused = time.perf_counter(), 0.0
+        previous = None  # (step, metrics) of the step before, checked once this one is queued
         for step in range(start + 1, t.steps + 1):
             state, step_metrics = compiled(state, next(batches))
+            if previous is not None:
+                self._check_finite(*previous, last_saved)
+            previous = (step, step_metrics)
             window.append(step_metrics)
             last = step == t.steps
             record = {}
@@ -254,10 +300,18 @@ class Trainer:
             if record:
                 writer.write(step, t.steps, record)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
-                self.checkpointer.save(state, self.train_iter, self.model_cfg,
-                                       {"seed": cfg.seed, "config": cfg.to_dict()})
+                self._save(state)
                 last_saved = step
             paused += time.perf_counter() - began
+            if step < t.steps and self._stop_requested(signals):
+                if last_saved != step:
+                    self._save(state)
+                    last_saved = step
+                self.checkpointer.wait()
+                raise Preempted(signals.received or signal.SIGTERM, step,
+                                str(self.checkpointer.directory / str(step)))
+        if previous is not None:
+            self._check_finite(*previous, last_saved)
         if start >= t.steps:  # nothing left to train: report on the final state
             record = self.evaluate(state.params)
             if self.model_cfg.has_routing:
@@ -266,6 +320,38 @@ class Trainer:
                 "train_s": train_s, "first_loss": first_loss,
                 "final": {**record, "step": t.steps}, "last_saved": last_saved}
 
+    def _save(self, state: TrainState) -> None:
+        self.checkpointer.save(state, self.train_iter, self.model_cfg,
+                               {"seed": self.cfg.seed, "config": self.cfg.to_dict()})
+
+    def _stop_requested(self, signals: StopSignals) -> bool:
+        """Whether any process got SIGTERM/SIGINT. With several processes this is agreed on
+        every step (a small all-gather), since the checkpoint they then write is collective."""
+        received = signals.received is not None
+        if jax.process_count() > 1:
+            received = bool(multihost_utils.process_allgather(np.int32(received)).any())
+        return received
+
+    def _check_finite(self, step: int, step_metrics: dict, last_saved: int) -> None:
+        """Count a skipped (non-finite) step; stop after train.max_nonfinite_steps in a row."""
+        if not int(jax.device_get(step_metrics["skipped"])):
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        self.skipped_total += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if self.is_main:
+            loss, norm = jax.device_get((step_metrics["loss"], step_metrics["grad_norm"]))
+            print(f"step {step}: non-finite loss {float(loss)} or gradients (norm "
+                  f"{float(norm)}); update skipped ({self.skipped_in_a_row} in a row of at most "
+                  f"{limit}, {self.skipped_total} in all)", flush=True)
+        if self.skipped_in_a_row >= limit:
+            raise NonFiniteStop(
+                f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or "
+                f"gradients (train.max_nonfinite_steps={limit}); the last good state is "
+                + (f"the checkpoint {self.checkpointer.directory / str(last_saved)}"
+                   if last_saved else "the initial one (no checkpoint was saved)"))
+
     def _train_record(self, window: list[dict], elapsed: float, step: int) -> dict[str, Any]:
         """Scalars of the steps since the last log (losses and grad norms averaged)."""
         t = self.cfg.train
@@ -273,9 +359,11 @@ class Trainer:
         tokens_per_s = t.batch_size * t.seq_len / step_time
         mfu = (None if self.peak_flops is None else
                self.flops_per_token * tokens_per_s / (self.peak_flops * jax.device_count()))
-        return {"loss": float(np.mean([m["loss"] for m in window])),
+        kept = [m for m in window if not m["skipped"]] or window  # NaN if all were skipped
+        return {"loss": float(np.mean([m["loss"] for m in kept])),
                 "lr": float(window[-1]["lr"]), "routing_lr": float(window[-1]["routing_lr"]),
-                "grad_norm": float(np.mean([m["grad_norm"] for m in window])),
+                "grad_norm": float(np.mean([m["grad_norm"] for m in kept])),
+                "skipped": sum(int(m["skipped"]) for m in window),
                 "tokens_per_s": tokens_per_s, "step_time_s": step_time, "mfu": mfu,
                 "eta_s": (t.steps - step) * step_time, "tokens": step * t.batch_size * t.seq_len}
 

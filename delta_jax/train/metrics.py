@@ -83,8 +83,13 @@ def progress_line(step: int, total: int, record: dict[str, Any]) -> str:
     """`step 120/400 | loss 2.3456 | lr 1.2e-03 | gnorm 0.53 | 12,345 tok/s | mfu 41.2% | eta 3m05s`."""
     parts = [f"step {step}/{total}"]
     if "loss" in record:
-        parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}",
-                  f"gnorm {record['grad_norm']:.3f}", f"{record['tokens_per_s']:,.0f} tok/s"]
+        def num(key, fmt):  # null: every step of the window was skipped as non-finite
+            return "nan" if record[key] is None else format(record[key], fmt)
+
+        parts += [f"loss {num('loss', '.4f')}", f"lr {record['lr']:.2e}",
+                  f"gnorm {num('grad_norm', '.3f')}", f"{record['tokens_per_s']:,.0f} tok/s"]
+        if record.get("skipped"):
+            parts.append(f"skipped {record['skipped']}")
         if record.get("mfu") is not None:
             parts.append(f"mfu {100 * record['mfu']:.1f}%")
         parts.append(f"eta {format_duration(record['eta_s'])}")
@@ -148,4 +153,12 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of metrics.jsonl; a torn last line (the process was killed mid-write) is
+    dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        records += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return records

@@ -34,8 +34,14 @@ def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     lr_schedules: dict[str, optax.Schedule], grad_accum: int,
-                    state_shardings: TrainState, mesh: Mesh) -> Callable:
-    """(state, batch [B,T]) -> (state, metrics {loss, grad_norm, lr, routing_lr}: float32 []).
+                    state_shardings: TrainState, mesh: Mesh,
+                    inject_nan_steps: tuple[int, ...] = ()) -> Callable:
+    """(state, batch [B,T]) -> (state, metrics {loss, grad_norm, lr, routing_lr: float32 [],
+    skipped: int32 [] (1 when the update was skipped)}).
+
+    A step whose loss or gradients are not finite leaves the parameters and the optimizer state
+    as they were (the step counter still advances: its batch is consumed). `inject_nan_steps`
+    (tests only) makes the loss of those steps (1-based) NaN.
 
     With grad_accum A the batch is split into A microbatches of B/A rows that are run one after
     another under a scan and whose gradients are averaged (so the loss is the mean over the
@@ -64,12 +70,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
         grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, state.params)
+        if inject_nan_steps:
+            poison = jnp.where(jnp.isin(state.step + 1, jnp.array(inject_nan_steps)),
+                               jnp.nan, 0.0)
+            loss = loss + poison
+            grads = jax.tree.map(lambda g: g + poison.astype(g.dtype), grads)
+        grad_norm = optax.global_norm(grads)
+        # The norm is NaN/inf iff some gradient is; a non-finite loss alone also skips.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss / grad_accum, "grad_norm": optax.global_norm(grads),
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        metrics = {"loss": loss / grad_accum, "grad_norm": grad_norm,
                    "lr": lr_schedules["base"](state.step),
-                   "routing_lr": lr_schedules["routing"](state.step)}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+                   "routing_lr": lr_schedules["routing"](state.step),
+                   "skipped": (~finite).astype(jnp.int32)}
+        return TrainState(step=state.step + 1, params=keep(params, state.params),
+                          opt_state=keep(opt_state, state.opt_state)), metrics
 
     replicated = NamedSharding(mesh, P())
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh)),
