@@ -162,24 +162,16 @@ def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
         if not isinstance(value, bool):
             fail()
         return value
-    if kind is int:
+    if kind in (int, float):
         if isinstance(value, str):
             try:
-                value = int(value)
+                value = kind(value)
             except ValueError:
                 fail()
-        if isinstance(value, bool) or not isinstance(value, int):
+        accepted = int if kind is int else (int, float)  # an int is a valid float, not vice versa
+        if isinstance(value, bool) or not isinstance(value, accepted):
             fail()
-        return value
-    if kind is float:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                fail()
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail()
-        return float(value)
+        return kind(value)
     if kind is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             fail()
