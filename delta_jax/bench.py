@@ -153,9 +153,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     order = sorted(((v, d) for d in drivers for v in variants), key=lambda vd: vd[0] != "baseline")
     results = []
     for variant, driver in order:
-        model = run.model.replace(residual=variant, layer_driver=driver,
-                                  null_source=run.model.null_source and variant.startswith("delta"),
-                                  routing_gate=run.model.routing_gate and variant != "baseline")
+        gated = run.model.routing_gate and variant != "baseline"
+        model = run.model.replace(
+            residual=variant, layer_driver=driver,
+            null_source=run.model.null_source and variant.startswith("delta"),
+            routing_gate=gated,
+            gate_base=run.model.gate_base if gated and variant in ("block", "full") else "live")
         results.append(bench_one(dataclasses.replace(run, model=model), steps=args.steps,
                                  warmup=args.warmup, compile_only=args.compile_only))
         print(format_table(results).splitlines()[-1], flush=True)

@@ -15,6 +15,7 @@ ROUTER_INITS = ("normal", "zeros")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
+GATE_BASES = ("live", "stream")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver)
 # only change how the same function is computed; checkpoints may move between them.
@@ -39,10 +40,16 @@ class ModelConfig:
     block_sources: str = "reference"
     router_init: str = "normal"
     # Reference extras: a learned zero-initialised null source per site (delta modes), and a
-    # learned scalar gate per site on the routed term, initialised to zero (the reference's
-    # `attnres_gate_type: learnable_alpha`); the gate makes conversions exact at step 0.
+    # learned scalar gate a per site, initialised to zero: the sublayer reads (1-a)*base + a*routed
+    # (the reference's `attnres_gate_type: learnable_alpha`).
     null_source: bool = False
     routing_gate: bool = False
+    # What the gate blends the routed input with. "live": the site's live state (the reference:
+    # the residual stream in the delta modes, but the block partial sum or the last sublayer
+    # output in block/full). "stream" (block/full only, a delta_jax extension): the standard
+    # residual stream, carried alongside, and the final site is gated too; at a = 0 the model is
+    # exactly the plain Qwen3, at a = 1 exactly AttnRes, which makes conversions exact.
+    gate_base: str = "live"
     init_std: float = 0.02
     # Numerics and execution.
     dtype: str = "float32"  # compute dtype of activations and matmuls
@@ -69,7 +76,7 @@ class ModelConfig:
         for field, allowed in (("residual", RESIDUALS), ("block_sources", BLOCK_SOURCES),
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
-                               ("layer_driver", LAYER_DRIVERS)):
+                               ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
         if not self.rms_norm_eps > 0:
@@ -85,6 +92,12 @@ class ModelConfig:
         if self.routing_gate and self.residual == "baseline":
             raise ValueError("ModelConfig.routing_gate=True is invalid with residual='baseline': "
                              "the baseline has no routing sites")
+        if self.gate_base == "stream" and not (self.routing_gate
+                                               and self.residual in ("block", "full")):
+            raise ValueError(
+                f"ModelConfig.gate_base='stream' is invalid with residual={self.residual!r}, "
+                f"routing_gate={self.routing_gate}: it needs routing_gate=True and residual "
+                "'block' or 'full' (in the delta modes the live state is the stream already)")
 
     # Derived geometry -----------------------------------------------------------------------
     @property
@@ -98,6 +111,11 @@ class ModelConfig:
     @property
     def has_final_site(self) -> bool:
         return self.residual in ("block", "full")
+
+    @property
+    def carries_stream(self) -> bool:
+        """block/full gated against the residual stream, which then travels in the carry."""
+        return self.gate_base == "stream"
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -2,7 +2,8 @@
 
 Python lists of sources, every site stacks its sources and normalises them explicitly (no
 buffer, no inverse-RMS cache, no schedule): what the scanned model must agree with on configs the
-golden files do not cover (paper block sources, null sources, gates, uneven blocks).
+golden files do not cover (paper block sources, null sources, gates, gates against the
+residual stream, uneven blocks).
 """
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ def reference_forward(model, ids):
     mlp = lambda layer, x: layer.mlp(layer.post_attention_layernorm(x))
     h = jnp.take(model.embed_tokens[...], ids, axis=0)
     lpb, variant, calls, S = cfg.layers_per_block, cfg.residual, [], []
+    stream = h  # the plain residual stream, the gates' base with gate_base="stream"
 
     def additive(site, h):
         mix, alpha = _route(site, _sources(site, S, h), eps)
@@ -58,7 +60,7 @@ def reference_forward(model, ids):
     def replacement(site, live):
         mix, alpha = _route(site, S + [live], eps)
         calls.append(alpha)
-        return _gate(site, live, mix)
+        return _gate(site, stream if cfg.gate_base == "stream" else live, mix)
 
     for l, layer in enumerate(layers):
         if variant == "baseline":
@@ -68,16 +70,20 @@ def reference_forward(model, ids):
             x = replacement(layer.attn_site, h)
             S.append(h)
             h = attn(layer, x)
+            stream = stream + h
             x = replacement(layer.mlp_site, h)
             S.append(h)
             h = mlp(layer, x)
+            stream = stream + h
         elif variant == "block":
             x = replacement(layer.attn_site, h)
             if l % lpb == 0:
                 S.append(h)
                 h = jnp.zeros_like(h)
-            h = h + attn(layer, x)
-            h = h + mlp(layer, replacement(layer.mlp_site, h))
+            a = attn(layer, x)
+            h, stream = h + a, stream + a
+            m = mlp(layer, replacement(layer.mlp_site, h))
+            h, stream = h + m, stream + m
         elif variant == "delta":
             a = attn(layer, additive(layer.attn_site, h))
             if not S:

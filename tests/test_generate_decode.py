@@ -27,8 +27,12 @@ def test_cached_decoding_equals_full_forward(residual):
     """Logits of every generated position within 1e-5 of a full forward pass over each row's
     own tokens (prompt + generated, unpadded on the left), for prompts of different lengths."""
     cfg = tiny(residual, null_source=residual.startswith("delta"),
-               routing_gate=residual == "block")
+               routing_gate=residual in ("block", "full"),
+               gate_base="stream" if residual == "full" else "live")
     model = init_model(cfg, seed=1)
+    for site in (getattr(model.layers, "mlp_site", None), model.final_site):
+        if site is not None and site.gate is not None:  # open the gates: both inputs count
+            site.gate[...] = jnp.full(site.gate.shape, 0.5)
     out = generate(model, PROMPTS, max_new_tokens=NEW, keep_logits=True)
     chex.assert_shape(out.tokens, (3, NEW))
     chex.assert_shape(out.logits, (3, NEW, cfg.vocab_size))

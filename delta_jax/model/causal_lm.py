@@ -84,7 +84,9 @@ class CausalLM(nnx.Module):
                                        dtype=pd, stack=None)
         self.layers = DecoderLayer(cfg, rngs, stack=cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
-        self.final_site = RoutingSite(cfg, rngs, gated=False) if cfg.has_final_site else None
+        # The reference's final site has no gate; gated against the stream, it needs one.
+        self.final_site = (RoutingSite(cfg, rngs, gated=cfg.carries_stream)
+                           if cfg.has_final_site else None)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         make_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                    init="normal", std=cfg.init_std, dtype=pd, stack=None))
@@ -153,6 +155,8 @@ class CausalLM(nnx.Module):
                              ("sources", "batch", "seq", "act_embed")),
             "rinv": jnp.zeros((plan.num_slots, batch, length), jnp.float32),
         }
+        if cfg.carries_stream:
+            carry["stream"] = embeddings
         if plan.embedding_in_slot0:
             carry = apply_writes(carry, (make_write(embeddings, 0, cfg.rms_norm_eps),))
 
@@ -165,10 +169,10 @@ class CausalLM(nnx.Module):
         def step(inputs, c, row):
             params_l, kv = (inputs, None) if cache is None else inputs
             layer_cache = None if kv is None else cache.replace(k=kv[0], v=kv[1])
-            h, writes, weights, layer_cache = nnx.merge(graphdef, params_l)(
+            state, writes, weights, layer_cache = nnx.merge(graphdef, params_l)(
                 c, row, {"rope": rope, "cache": layer_cache})
             kv = None if layer_cache is None else (layer_cache.k, layer_cache.v)
-            return h, writes, (weights, kv)
+            return state, writes, (weights, kv)
 
         rows = {"first_write": plan.first_write, "attn_visible": plan.attn_visible,
                 "boundary": plan.boundary}
@@ -181,7 +185,7 @@ class CausalLM(nnx.Module):
         if self.final_site is not None:
             mix, final_weights = self.final_site(carry["buf"], carry["rinv"],
                                                  plan.final_visible, live=carry["h"])
-            out = self.final_site.gated(carry["h"], mix)
+            out = self.final_site.gated(carry.get("stream"), mix)
         hidden = self.norm(out)
         if not return_routing:
             return hidden, None, cache

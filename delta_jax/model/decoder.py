@@ -1,11 +1,14 @@
 """One decoder layer and its residual variants, written for a scan over stacked layers.
 
 Conventions: B batch, T sequence, D hidden, S buffer slots. The carry between layers is
-  h    [B,T,D]   residual stream (baseline, delta, delta_block), the partial block sum (block) or
-                 the last sublayer output (full);
-  buf  [S,B,T,D] committed sources, slots written once in order, unwritten slots zero;
-  rinv [S,B,T]   float32 inverse RMS of each committed source.
-`row` holds this layer's schedule entries (schedule.py) as scalars, traced inside a scan.
+  h      [B,T,D]   residual stream (baseline, delta, delta_block), the partial block sum (block)
+                   or the last sublayer output (full);
+  stream [B,T,D]   only with gate_base="stream" (block, full): the plain residual stream, summed
+                   in the baseline's order so that a zero gate reproduces it bit for bit;
+  buf    [S,B,T,D] committed sources, slots written once in order, unwritten slots zero;
+  rinv   [S,B,T]   float32 inverse RMS of each committed source.
+A layer returns its new per-token state ({"h"} or {"h", "stream"}: every carry entry but the
+buffer) and its writes; `row` holds its schedule entries (schedule.py), traced inside a scan.
 """
 from __future__ import annotations
 
@@ -18,7 +21,13 @@ from delta_jax.model.layers import MLP, Attention, RMSNorm, dtype_of
 from delta_jax.model.routing import RoutingSite, Write, inverse_rms
 from delta_jax.sharding import constrain
 
-Carry = dict  # {"h": [B,T,D], "buf": [S,B,T,D], "rinv": [S,B,T]}
+Carry = dict  # {"h": [B,T,D], "stream"?: [B,T,D], "buf": [S,B,T,D], "rinv": [S,B,T]}
+BUFFER_KEYS = ("buf", "rinv")
+
+
+def layer_state(carry: Carry) -> dict:
+    """The per-token entries of the carry (everything but the source buffer)."""
+    return {k: v for k, v in carry.items() if k not in BUFFER_KEYS}
 
 
 def make_write(value: jax.Array, slot, eps: float, when=True, dtype=None) -> Write:
@@ -68,18 +77,20 @@ class DecoderLayer(nnx.Module):
         mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh)
         return site.gated(h, h + mix), weights
 
-    def replacement_input(self, site: RoutingSite, carry: Carry, visible, live, fresh=None):
-        """AttnRes modes: the routed mix over committed sources plus the live state."""
+    def replacement_input(self, site: RoutingSite, carry: Carry, visible, live, fresh=None,
+                          stream=None):
+        """AttnRes modes: the routed mix over committed sources plus the live state, gated
+        against the live state (the reference) or the residual stream (gate_base='stream')."""
         mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh, live=live)
-        return site.gated(live, mix), weights
+        return site.gated(live if stream is None else stream, mix), weights
 
     # The layer ---------------------------------------------------------------------------
     def __call__(self, carry: Carry, row: dict, ctx: dict):
         """carry (its buffer read-only), schedule row {first_write, attn_visible, boundary},
         context {"rope": (cos, sin) [B,T,hd], "cache": LayerCache or None} ->
-        (h [B,T,D], writes: tuple of Write for the driver to commit,
-         (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or () (baseline),
-         the updated LayerCache or None).
+        (state {"h": [B,T,D], "stream"?: [B,T,D]}, writes: tuple of Write for the driver to
+         commit, (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or ()
+         (baseline), the updated LayerCache or None).
 
         The layer never writes the buffer itself: its MLP site sees this layer's own write as a
         `fresh` source. Buffer reads are then linear in a loop-invariant array, which lets the
@@ -87,31 +98,37 @@ class DecoderLayer(nnx.Module):
         """
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         h = constrain(carry["h"], ("batch", "seq", "act_embed"))
+        stream = carry.get("stream")
+        if stream is not None:
+            stream = constrain(stream, ("batch", "seq", "act_embed"))
         dtype = carry["buf"].dtype
         slot = row["first_write"]
         variant = cfg.residual
         if variant == "baseline":
             a, cache = self.attention(h, ctx)
             h = h + a
-            return h + self.feed_forward(h), (), (), cache
+            return {"h": h + self.feed_forward(h)}, (), (), cache
 
-        if variant == "full":
-            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h)
-            first = make_write(h, slot, eps, dtype=dtype)
-            c, cache = self.attention(x, ctx)
-            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, c, fresh=first)
-            second = make_write(c, slot + 1, eps, dtype=dtype)
-            return self.feed_forward(x), (first, second), (w_attn, w_mlp), cache
-
-        if variant == "block":
-            boundary = row["boundary"]
-            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h)
-            committed = make_write(h, slot, eps, when=boundary, dtype=dtype)
+        if variant in ("full", "block"):
+            # The live state: full, the last sublayer output (every input state is committed);
+            # block, the partial block sum (committed and restarted at each boundary).
+            full = variant == "full"
+            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h,
+                                               stream=stream)
+            committed = make_write(h, slot, eps, when=True if full else row["boundary"],
+                                   dtype=dtype)
             a, cache = self.attention(x, ctx)
-            partial = jnp.where(boundary, jnp.zeros_like(h), h) + a
-            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, partial,
-                                              fresh=committed)
-            return partial + self.feed_forward(x), (committed,), (w_attn, w_mlp), cache
+            live = a if full else jnp.where(row["boundary"], jnp.zeros_like(h), h) + a
+            stream = None if stream is None else stream + a
+            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, live, fresh=committed,
+                                              stream=stream)
+            m = self.feed_forward(x)
+            state = {"h": m if full else live + m}
+            if stream is not None:
+                state["stream"] = stream + m
+            writes = (committed, make_write(a, slot + 1, eps, dtype=dtype)) if full else (
+                committed,)
+            return state, writes, (w_attn, w_mlp), cache
 
         if variant == "delta":
             x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"], h)
@@ -121,7 +138,7 @@ class DecoderLayer(nnx.Module):
             x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=first)
             m = self.feed_forward(x)
             second = make_write(m, slot + 1, eps, dtype=dtype)
-            return h + m, (first, second), (w_attn, w_mlp), cache
+            return {"h": h + m}, (first, second), (w_attn, w_mlp), cache
 
         if variant == "delta_block":
             boundary = row["boundary"]
@@ -140,6 +157,6 @@ class DecoderLayer(nnx.Module):
                                    dtype=dtype)
             h = h + a
             x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=committed)
-            return h + self.feed_forward(x), (committed,), (w_attn, w_mlp), cache
+            return {"h": h + self.feed_forward(x)}, (committed,), (w_attn, w_mlp), cache
 
         raise ValueError(f"unknown residual variant {variant!r}")

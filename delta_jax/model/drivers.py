@@ -5,21 +5,21 @@
 - `lean` (default): the same forward, under a custom_vjp whose backward is a reverse scan that
   rebuilds layer i's input buffer from the final one (every slot is written once, from zero, so
   the input is the final buffer masked to the slots written before layer i) and recomputes the
-  layer under jax.vjp. Saves only the residual stream per layer: O(S) buffer memory, the cost of
+  layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer memory, the cost of
   one extra forward (the same as full remat).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; `params` is the nnx.State of the stacked layers (leading axis L);
-`step(params_l, carry, row) -> (h, writes, outputs)` runs one layer, reading the buffer and
-returning its writes (decoder.py), which the driver commits; `rows` holds the schedule
-columns [L] (schedule.py).
+`step(params_l, carry, row) -> (state, writes, outputs)` runs one layer, reading the buffer and
+returning its new per-token state ({"h"} or {"h", "stream"}) and its writes (decoder.py), which
+the driver commits; `rows` holds the schedule columns [L] (schedule.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from delta_jax.model.decoder import apply_writes
+from delta_jax.model.decoder import apply_writes, layer_state
 
 REMAT_POLICIES = {
     "none": None,
@@ -41,8 +41,8 @@ def _row(rows: dict, index) -> dict:
 
 
 def _advance(step, params_l, carry, row):
-    h, writes, outputs = step(params_l, carry, row)
-    return apply_writes({**carry, "h": h}, writes), outputs
+    state, writes, outputs = step(params_l, carry, row)
+    return apply_writes({**carry, **state}, writes), outputs
 
 
 def run_scan(step, params, carry, rows: dict):
@@ -78,36 +78,36 @@ def run_lean(step, params, carry, rows: dict):
                             (params, indices))[0]
 
     def forward(params, carry):
-        final, h_inputs = jax.lax.scan(lambda c, xs: (layer(xs[0], c, xs[1]), c["h"]), carry,
-                                       (params, indices))
-        return final, (params, h_inputs, final)
+        final, state_inputs = jax.lax.scan(
+            lambda c, xs: (layer(xs[0], c, xs[1]), layer_state(c)), carry, (params, indices))
+        return final, (params, state_inputs, final)
 
     def backward(residuals, final_cotangent):
-        params, h_inputs, final = residuals
+        params, state_inputs, final = residuals
 
         def body(cotangent, xs):
-            params_l, h_in, index = xs
+            params_l, state_in, index = xs
             row = _row(rows, index)
 
-            def layer_reads(p, h, buf, rinv):
+            def layer_reads(p, state, buf, rinv):
                 # Over the final buffer: the slots layer `index` had not yet seen are masked in
                 # its sites, so reading them changes nothing and passes them no gradient.
-                h_out, writes, _ = step(p, {"h": h, "buf": buf, "rinv": rinv}, row)
-                return ((h_out, [(w.value, w.rinv) for w in writes]),
+                state_out, writes, _ = step(p, {**state, "buf": buf, "rinv": rinv}, row)
+                return ((state_out, [(w.value, w.rinv) for w in writes]),
                         [(w.slot, w.when) for w in writes])
 
-            _, vjp, slots = jax.vjp(layer_reads, params_l, h_in, final["buf"], final["rinv"],
-                                    has_aux=True)
+            _, vjp, slots = jax.vjp(layer_reads, params_l, state_in, final["buf"],
+                                    final["rinv"], has_aux=True)
             # A written value's cotangent is what later layers' reads left in its slot.
             d_writes = [tuple(jnp.where(when, jax.lax.dynamic_index_in_dim(
                 cotangent[key], slot, keepdims=False), 0) for key in ("buf", "rinv"))
                 for slot, when in slots]
-            d_params, d_h, d_buf, d_rinv = vjp((cotangent["h"], d_writes))
-            return {"h": d_h, "buf": cotangent["buf"] + d_buf,
+            d_params, d_state, d_buf, d_rinv = vjp((layer_state(cotangent), d_writes))
+            return {**d_state, "buf": cotangent["buf"] + d_buf,
                     "rinv": cotangent["rinv"] + d_rinv}, d_params
 
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
-        d_carry, d_params = jax.lax.scan(body, final_cotangent, (params, h_inputs, indices),
+        d_carry, d_params = jax.lax.scan(body, final_cotangent, (params, state_inputs, indices),
                                          reverse=True)
         return d_params, d_carry
 

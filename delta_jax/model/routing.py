@@ -41,7 +41,7 @@ class RoutingSite(nnx.Module):
         self.null = (make_param(None, (d,), ("routing",), init="zeros", std=0.0, dtype=pd,
                                 stack=stack) if cfg.null_source else None)
         # The reference's `learnable_alpha` gate: input = (1-a)*base + a*routed, a starts at 0.
-        # Only sublayer sites have one (the reference's final site has none).
+        # The final site has one only when gated against the residual stream (gate_base).
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
                      if cfg.routing_gate and gated else None)
 
