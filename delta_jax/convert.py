@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from delta_jax.checkpoint import restore_model, save_model
-from delta_jax.config import BLOCK_SOURCES, DTYPES, RESIDUALS, ROUTER_INITS
+from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
 from delta_jax.hf.keymap import ConversionError
 from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
 from delta_jax.hf.save import save_pretrained
@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="add the learned null source (delta modes)")
     to_orbax.add_argument("--routing-gate", action="store_true", default=None,
                           help="add the zero-initialised gate on the routed term")
+    to_orbax.add_argument("--gate-base", choices=GATE_BASES,
+                          help="what block/full gates blend with: the live state (reference) "
+                               "or the residual stream")
     to_orbax.add_argument("--preserve-function", action="store_true",
                           help="initialise routing so that step 0 computes the original model")
     to_orbax.add_argument("--param-dtype", choices=DTYPES, default="float32",
@@ -61,8 +64,8 @@ def hf_to_orbax(args: argparse.Namespace) -> None:
     if args.target.exists() and any(args.target.iterdir()):
         raise ConversionError(f"{args.target}: exists and is not empty; choose a new directory")
     overrides = {field: getattr(args, field) for field in (
-        "residual", "num_blocks", "block_sources", "router_init", "null_source", "routing_gate")
-        if getattr(args, field) is not None}
+        "residual", "num_blocks", "block_sources", "router_init", "null_source", "routing_gate",
+        "gate_base") if getattr(args, field) is not None}
     model = load_pretrained(args.source, param_dtype=args.param_dtype, progress=True,
                             preserve_function=args.preserve_function, **overrides)
     save_model(model, args.target, step=0)

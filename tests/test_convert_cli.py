@@ -38,14 +38,16 @@ def test_help(capsys):
         assert f"usage: python -m delta_jax.convert {command}" in capsys.readouterr().out
 
 
-def test_round_trip_with_a_preserving_conversion(plain, tmp_path, capsys):
+@pytest.mark.parametrize("residual,gate_base", [("delta_block", "live"), ("block", "stream")])
+def test_round_trip_with_a_preserving_conversion(plain, tmp_path, capsys, residual, gate_base):
     folder, logits = plain
     orbax = tmp_path / "orbax"
-    assert main(["hf-to-orbax", str(folder), str(orbax), "--residual", "delta_block",
+    assert main(["hf-to-orbax", str(folder), str(orbax), "--residual", residual,
                  "--num-blocks", "2", "--preserve-function"]) == 0
     assert "loading qwen3" in capsys.readouterr().err  # the progress bar over tensors
     model = restore_model(orbax)
-    assert (model.config.residual, model.config.routing_gate) == ("delta_block", True)
+    assert (model.config.residual, model.config.routing_gate, model.config.gate_base) == (
+        residual, True, gate_base)
     np.testing.assert_array_equal(np.asarray(model(IDS)), logits)
     assert {p.name: p.read_text() for p in (orbax / "tokenizer").iterdir()} == TOKENIZER
 
@@ -53,7 +55,7 @@ def test_round_trip_with_a_preserving_conversion(plain, tmp_path, capsys):
     assert main(["orbax-to-hf", str(orbax), str(back), "--dtype", "float32"]) == 0
     assert "saving hf" in capsys.readouterr().err
     config = json.loads((back / "config.json").read_text())
-    assert (config["model_type"], config["attnres_mode"]) == ("qwen3_attnres", "delta_block")
+    assert (config["model_type"], config["attnres_mode"]) == ("qwen3_attnres", residual)
     assert {name: (back / name).read_text() for name in TOKENIZER} == TOKENIZER
     np.testing.assert_array_equal(np.asarray(load_pretrained(back)(IDS)), logits)
 

@@ -62,11 +62,14 @@ def test_reference_folder_gives_golden_logits_and_saves_back_identically(mode, t
 
 @pytest.mark.parametrize("residual,extra", [
     ("delta_block", dict(null_source=True, routing_gate=True)), ("delta", {}), ("block", {}),
-    ("full", dict(routing_gate=True))])
-def test_routing_model_saves_in_the_reference_layout(residual, extra, tmp_path):
+    ("full", dict(routing_gate=True)), ("block", dict(routing_gate=True, gate_base="stream"))])
+def test_routing_model_saves_in_the_reference_layout(residual, extra, tmp_path, caplog):
     cfg = ModelConfig.tiny(residual=residual, tie_word_embeddings=False, **extra)
     model = init_model(cfg, seed=3)
     out = save_pretrained(model, tmp_path / "m")
+    # delta_jax's own gate is said out loud: the reference code would drop it
+    assert ("the reference code would run it without its gates" in caplog.text) == (
+        cfg.gate_base == "stream")
     header = read_header(out / "model.safetensors")
     assert sorted(header) == sorted(expected_hf_keys(cfg))
     L, d = cfg.num_layers, cfg.hidden_size
@@ -77,9 +80,13 @@ def test_routing_model_saves_in_the_reference_layout(residual, extra, tmp_path):
         names = [n for n in header if n.startswith("model.layers.") and n.endswith(suffix)]
         assert len(names) == count and all(header[n].shape == shape for n in names), suffix
     assert ("model.final_res_proj.weight" in header) == (residual in ("block", "full"))
+    assert ("model.final_res_alpha" in header) == (cfg.gate_base == "stream")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3_attnres"
-    assert config["attnres_gate_type"] == ("learnable_alpha" if cfg.routing_gate else "bias")
+    assert config["attnres_gate_type"] == {(False, "live"): "bias",
+                                           (True, "live"): "learnable_alpha",
+                                           (True, "stream"): "learnable_alpha_stream"}[
+        (cfg.routing_gate, cfg.gate_base)]
     assert config["attnres_use_null_source"] == cfg.null_source
     reloaded = load_pretrained(out)
     assert reloaded.config.architecture() == cfg.architecture()
@@ -108,26 +115,36 @@ def routing_values(model, name: str) -> np.ndarray:
     return np.asarray(nnx.state(model, nnx.Param)["layers"]["attn_site"][name][...])
 
 
-@pytest.mark.parametrize("residual,null_source", [("delta", False), ("delta", True),
-                                                  ("delta_block", False),
-                                                  ("delta_block", True)])
-def test_preserving_conversion_is_exact_for_additive_variants(plain, plain_logits, residual,
-                                                              null_source):
+@pytest.mark.parametrize("residual,num_blocks,null_source,gate_base", [
+    ("delta", 2, False, "live"), ("delta", 2, True, "live"), ("delta_block", 2, False, "live"),
+    ("delta_block", 4, True, "live"), ("block", 2, False, "stream"),
+    ("block", 4, False, "stream"), ("full", 2, False, "stream")])
+def test_preserving_conversion_is_exact_for_every_variant(plain, plain_logits, residual,
+                                                          num_blocks, null_source, gate_base):
+    """Bit for bit, at the real eps 1e-6, through the default, scan and unrolled drivers."""
     model = load_pretrained(plain[1e-6], residual=residual, null_source=null_source,
-                            num_blocks=2, preserve_function=True)
+                            num_blocks=num_blocks, preserve_function=True)
     assert (model.config.router_init, model.config.routing_gate) == ("zeros", True)
+    assert model.config.gate_base == gate_base
     assert not routing_values(model, "gate").any() and not routing_values(model, "query").any()
+    if gate_base == "stream":
+        assert float(model.final_site.gate[...]) == 0.0
     np.testing.assert_array_equal(np.asarray(model(IDS)), plain_logits[1e-6])
+    base = load_pretrained(plain[1e-6])
+    for driver in ("scan", "unrolled"):
+        np.testing.assert_array_equal(np.asarray(model(IDS, driver=driver)),
+                                      np.asarray(base(IDS, driver=driver)), err_msg=driver)
 
 
 @pytest.mark.parametrize("residual", ["block", "full"])
-def test_preserving_conversion_of_replacement_variants_differs_only_by_eps(plain, plain_logits,
-                                                                           residual):
-    # Uniform weights feed the sublayer RMSNorm(h/N): RMSNorm(h) but for the eps in the norm.
-    model = load_pretrained(plain[1e-12], residual=residual, num_blocks=2,
-                            preserve_function=True)
-    assert (model.config.router_init, model.config.routing_gate) == ("zeros", False)
-    np.testing.assert_allclose(np.asarray(model(IDS)), plain_logits[1e-12], atol=1e-5, rtol=0)
+def test_zero_queries_alone_keep_replacement_variants_only_up_to_eps(plain, plain_logits,
+                                                                     residual):
+    # Why the stream gate: uniform weights feed the sublayer RMSNorm(h/N), which is RMSNorm(h)
+    # but for the eps in the norm; invisible at eps 1e-12, a real change at the real 1e-6.
+    for eps, low, high in ((1e-12, 0, 1e-5), (1e-6, 1e-4, np.inf)):
+        model = load_pretrained(plain[eps], residual=residual, num_blocks=2,
+                                router_init="zeros")
+        assert low <= np.abs(np.asarray(model(IDS)) - plain_logits[eps]).max() < high, eps
 
 
 def test_delta_block_with_zero_queries_alone_changes_the_function(plain, plain_logits):
@@ -149,8 +166,10 @@ def test_plain_conversion_keeps_the_backbone_and_initialises_routing(plain):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(residual="block", routing_gate=True),
-     "preserve_function with residual='block' needs routing_gate=False"),
+    (dict(residual="block", routing_gate=False),
+     "preserve_function with residual='block' needs routing_gate=True"),
+    (dict(residual="full", gate_base="live"),
+     "preserve_function with residual='full' needs gate_base='stream'"),
     (dict(residual="delta_block", routing_gate=False),
      "preserve_function with residual='delta_block' needs routing_gate=True"),
     (dict(residual="delta", router_init="normal"),

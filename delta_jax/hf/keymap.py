@@ -18,6 +18,10 @@ from delta_jax.config import ModelConfig
 
 QWEN3 = "qwen3"
 ATTNRES = "qwen3_attnres"
+# attnres_gate_type -> gate_base. "bias" (no gate) and "learnable_alpha" are the reference's;
+# "learnable_alpha_stream" is delta_jax's block/full gate against the residual stream, which the
+# reference code does not implement (it would run such a folder without its gates).
+GATE_TYPES = {"bias": "live", "learnable_alpha": "live", "learnable_alpha_stream": "stream"}
 
 
 class ConversionError(ValueError):
@@ -129,6 +133,8 @@ KEY_TABLE: list[KeyRule] = [
     *_routing(_LAYER, "mlp"),
     *[dataclasses.replace(rule, when=lambda cfg, w=rule.when: w(cfg) and cfg.has_final_site)
       for rule in _routing("model.", "final")[:2]],
+    # delta_jax's stream-gated block/full also gate the final site (model.final_res_alpha).
+    dataclasses.replace(_routing("model.", "final")[3], when=lambda cfg: cfg.carries_stream),
 ]
 
 
@@ -180,12 +186,12 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     if model_type == ATTNRES:
         mode = hf.get("attnres_mode", "block")
         gate = hf.get("attnres_gate_type", "bias")
-        if gate not in ("bias", "learnable_alpha"):
+        if gate not in GATE_TYPES:
             raise ConversionError(f"config.json: attnres_gate_type={gate!r} is not supported: "
-                                  "expected 'bias' or 'learnable_alpha'")
+                                  f"expected one of {', '.join(map(repr, GATE_TYPES))}")
         fields.update(residual=mode, num_blocks=int(hf.get("attnres_num_blocks", 8)),
                       null_source=bool(hf.get("attnres_use_null_source", False)),
-                      routing_gate=gate == "learnable_alpha",
+                      routing_gate=gate != "bias", gate_base=GATE_TYPES[gate],
                       block_sources=hf.get("attnres_block_sources", "reference"))
     else:
         fields["residual"] = "baseline"
@@ -194,6 +200,13 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         return ModelConfig(**fields)
     except (TypeError, ValueError) as err:
         raise ConversionError(f"config.json: {err}") from None
+
+
+def gate_type(cfg: ModelConfig) -> str:
+    """The config.json `attnres_gate_type` of a routing config."""
+    if not cfg.routing_gate:
+        return "bias"
+    return "learnable_alpha_stream" if cfg.carries_stream else "learnable_alpha"
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -210,7 +223,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out.update(model_type=ATTNRES, architectures=["Qwen3AttnResForCausalLM"],
                    attnres_mode=cfg.residual, attnres_num_blocks=cfg.num_blocks,
                    attnres_use_null_source=cfg.null_source,
-                   attnres_gate_type="learnable_alpha" if cfg.routing_gate else "bias")
+                   attnres_gate_type=gate_type(cfg))
         if cfg.block_sources != "reference":
             out["attnres_block_sources"] = cfg.block_sources
     return out

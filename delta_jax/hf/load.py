@@ -129,9 +129,10 @@ def load_pretrained(path: str | Path, *, dtype=None, mesh: Mesh | None = None,
       dtype; pass param_dtype= as well for float32 master weights with bfloat16 compute).
     mesh: every parameter is placed directly on its sharding of this mesh.
     overrides: ModelConfig fields. On a plain Qwen3 checkpoint, residual=... (and num_blocks,
-      router_init, null_source, routing_gate, block_sources) converts it into that variant;
-      preserve_function=True picks the initialisation under which the converted model computes
-      the original function at step 0 (state_dict.plan_conversion explains how).
+      router_init, null_source, routing_gate, gate_base, block_sources) converts it into that
+      variant; preserve_function=True picks the initialisation (and for block/full the stream
+      gate) under which the converted model computes the original function bit for bit at
+      step 0 (state_dict.plan_conversion explains how).
     progress: a progress bar over tensors on stderr.
     Raises ConversionError naming the file, tensor or field on any bad input.
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,12 +22,14 @@ from flax import nnx
 from tqdm import tqdm
 
 from delta_jax.config import ModelConfig
-from delta_jax.hf.keymap import ConversionError, active_rules, config_to_hf, hf_names, hf_shape
+from delta_jax.hf.keymap import (ConversionError, active_rules, config_to_hf, gate_type, hf_names,
+                                 hf_shape)
 from delta_jax.hf.load import CONFIG, INDEX, TOKENIZER_FILES, WEIGHTS, dtype_name
 from delta_jax.hf.safetensors_io import TensorInfo, write_file
 from delta_jax.hf.state_dict import abstract_model, iter_hf_tensors
 from delta_jax.model.causal_lm import CausalLM
 
+log = logging.getLogger(__name__)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
 
@@ -127,6 +130,10 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
     """
     cfg = model.config
     _check_mapped(model)
+    if cfg.carries_stream:
+        log.warning("%s: gate_base='stream' is delta_jax's own gate (attnres_gate_type %r): "
+                    "delta_jax.load_pretrained reads the folder; the reference code would run "
+                    "it without its gates", path, gate_type(cfg))
     dtype = dtype_name(dtype or cfg.param_dtype)
     layout = tensor_layout(cfg, dtype)
     shards = _shards(layout, parse_size(max_shard_size))

@@ -25,7 +25,8 @@ from delta_jax.model.routing import RoutingSite
 from delta_jax.sharding import state_shardings
 
 # The fields that define a checkpoint's routing; a qwen3_attnres checkpoint fixes them.
-ROUTING_FIELDS = ("residual", "num_blocks", "block_sources", "null_source", "routing_gate")
+ROUTING_FIELDS = ("residual", "num_blocks", "block_sources", "null_source", "routing_gate",
+                  "gate_base")
 
 
 def _get_path(tree, path: tuple[str, ...]):
@@ -43,21 +44,23 @@ def plan_conversion(hf_config: Mapping[str, Any], *, source: str, preserve_funct
     """config.json dict + overrides -> (target config, config of what the checkpoint holds).
 
     A plain Qwen3 checkpoint becomes any variant through overrides (residual, num_blocks,
-    block_sources, router_init, null_source, routing_gate); the routing parameters it lacks are
-    initialised. A qwen3_attnres checkpoint keeps the routing it was trained with.
+    block_sources, router_init, null_source, routing_gate, gate_base); the routing parameters it
+    lacks are initialised. A qwen3_attnres checkpoint keeps the routing it was trained with.
 
     preserve_function=True picks the initialisation under which the converted model computes the
-    plain Qwen3's function at step 0 (SPEC.md section 4); every pseudo-query starts at zero
-    (router_init='zeros'), so each site weighs its sources uniformly, and:
-    - delta, delta_block: a learned gate a per site starting at zero (routing_gate=True, the
-      reference's attnres_gate_type 'learnable_alpha') makes the site's input
-      (1-a)*h + a*(h + mix) = h exactly. delta_block needs it (its sources omit the current
-      block, so uniform weights change the function); for delta it removes the eps error below.
-    - block, full: no gate (a zero gate would feed the sublayer the live partial state, not the
-      residual stream). The uniform mix is h/N and the sublayer reads RMSNorm(h/N), which equals
-      RMSNorm(h) except for the eps inside the norm: a relative error of about
-      (N^2-1)*eps / (2*mean(h^2)), visible only where the residual stream is small.
-    A pretrained Qwen3 keeps its outputs at step 0 and learns to route from the first step on.
+    plain Qwen3's function exactly (bit for bit) at step 0: every pseudo-query starts at zero
+    (router_init='zeros'), so each site starts from uniform weights, and every site gets a
+    learned gate a starting at zero (routing_gate=True), its input being (1-a)*base + a*routed:
+    - delta, delta_block: base = h, routed = h + mix (the reference's 'learnable_alpha'). Zero
+      queries alone keep delta only up to the eps of the sublayer's RMSNorm and change
+      delta_block outright (its sources omit the current block, SPEC.md section 4).
+    - block, full: base = the plain residual stream (gate_base='stream'), which then travels in
+      the carry, and the final site is gated too. The reference's gate blends with the live
+      state (the partial block sum, the last sublayer output), which is not the Qwen3 stream,
+      and zero queries alone leave the eps error: the uniform mix is h/N, and RMSNorm(h/N)
+      differs from RMSNorm(h) by about (N^2-1)*eps / (2*mean(h^2)) relative.
+    A pretrained Qwen3 keeps its outputs at step 0; the gates then the queries learn from the
+    first step on (at a = 1 a site is exactly the paper's routing).
     """
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
     if unknown:
@@ -80,12 +83,14 @@ def plan_conversion(hf_config: Mapping[str, Any], *, source: str, preserve_funct
     cfg = config_from_hf(hf_config, **overrides)
     if is_attnres:
         return cfg, cfg
-    return cfg, cfg.replace(residual="baseline", null_source=False, routing_gate=False)
+    return cfg, cfg.replace(residual="baseline", null_source=False, routing_gate=False,
+                            gate_base="live")
 
 
 def _preserving(overrides: dict[str, Any], *, source: str) -> dict[str, Any]:
     residual = overrides["residual"]
-    wanted = {"router_init": "zeros", "routing_gate": residual in ("delta", "delta_block")}
+    wanted = {"router_init": "zeros", "routing_gate": True,
+              "gate_base": "stream" if residual in ("block", "full") else "live"}
     for field, value in wanted.items():
         if field in overrides and overrides[field] != value:
             raise ConversionError(f"{source}: preserve_function with residual={residual!r} needs "
