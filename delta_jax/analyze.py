@@ -82,41 +82,60 @@ def routing_statistics(model: CausalLM, stream: TokenStream, *, seq_len: int = 5
     means, stats = jax.tree.map(lambda x: x / ids.size, total)
     return {"residual": cfg.residual, "num_layers": cfg.num_layers, "data": stream.source,
             "tokens": int(ids.size), "windows": windows, "seq_len": seq_len,
-            "sites": _site_records(cfg, means, stats)}
+            "sites": _site_records(cfg, means, stats, _gates(model))}
 
 
-def _site_records(cfg: ModelConfig, means: Routing, stats: dict) -> list[dict]:
+def _gates(model: CausalLM) -> dict[str, np.ndarray] | None:
+    """Gate values {"layers": [L,2], "final": [] or None}, or None without routing gates."""
+    if model.layers.attn_site.gate is None:
+        return None
+    final = model.final_site.gate if model.final_site is not None else None
+    return {"layers": np.stack([np.asarray(model.layers.attn_site.gate[...], np.float64),
+                                np.asarray(model.layers.mlp_site.gate[...], np.float64)], 1),
+            "final": None if final is None else float(final[...])}
+
+
+def _site_records(cfg: ModelConfig, means: Routing, stats: dict, gates: dict | None
+                  ) -> list[dict]:
     records = []
     for layer in range(cfg.num_layers):
         for s, sublayer in enumerate(SUBLAYERS):
             count = int(means.num_sources[layer, s])
             if count:
+                gate = None if gates is None else float(gates["layers"][layer, s])
                 records.append(_record(cfg, f"L{layer}.{sublayer}", layer, count,
                                        means.site_weights(layer, s),
-                                       {k: stats[k][layer, s] for k in STATISTICS}))
+                                       {k: stats[k][layer, s] for k in STATISTICS}, gate))
     if means.final is not None:
         records.append(_record(cfg, "final", cfg.num_layers, means.final_sources,
                                means.final_weights(), {k: stats["final_" + k]
-                                                       for k in STATISTICS}))
+                                                       for k in STATISTICS},
+                               None if gates is None else gates["final"]))
     return records
 
 
-def _record(cfg, name, layer, count, weights, stats) -> dict:
-    return {"site": name, "layer": layer, "num_sources": count,
-            **{k: float(v) + 0.0 for k, v in stats.items()},  # + 0.0: no -0.0 entropies
-            "sources": source_names(cfg, count),
-            "mean_weights": [float(w) for w in np.asarray(weights).reshape(-1)]}
+def _record(cfg, name, layer, count, weights, stats, gate) -> dict:
+    record = {"site": name, "layer": layer, "num_sources": count,
+              **{k: float(v) + 0.0 for k, v in stats.items()},  # + 0.0: no -0.0 entropies
+              "sources": source_names(cfg, count),
+              "mean_weights": [float(w) for w in np.asarray(weights).reshape(-1)]}
+    if gate is not None:  # the site reads (1-gate)*base + gate*routed
+        record["gate"] = gate
+    return record
 
 
 # Output -----------------------------------------------------------------------------------
 def format_table(result: dict) -> str:
+    gated = any("gate" in r for r in result["sites"])
     lines = [f"{result['label']} ({result['residual']}): {result['tokens']} tokens of "
              f"{result['data']}",
-             f"{'site':<10}{'N':>4}{'max w':>8}{'entropy':>9}{'norm H':>8}  top sources"]
+             f"{'site':<10}{'N':>4}{'max w':>8}{'entropy':>9}{'norm H':>8}"
+             + (f"{'gate':>8}" if gated else "") + "  top sources"]
     for r in result["sites"]:
         top = sorted(zip(r["mean_weights"], r["sources"]), reverse=True)[:3]
+        gate = (f"{r['gate']:>8.3f}" if "gate" in r else " " * 8) if gated else ""
         lines.append(f"{r['site']:<10}{r['num_sources']:>4}{r['max_weight']:>8.3f}"
-                     f"{r['entropy']:>9.3f}{r['normalized_entropy']:>8.3f}  "
+                     f"{r['entropy']:>9.3f}{r['normalized_entropy']:>8.3f}{gate}  "
                      + " ".join(f"{name}:{w:.2f}" for w, name in top))
     return "\n".join(lines)
 

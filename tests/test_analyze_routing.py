@@ -49,6 +49,19 @@ def test_statistics_equal_those_of_the_raw_weights(cfg):
     assert (names[-1] == "final") == cfg.has_final_site
 
 
+def test_gates_are_reported_per_site():
+    model = init_model(tiny("full", num_layers=2, routing_gate=True, gate_base="stream"), seed=3)
+    model.layers.mlp_site.gate[...] = np.array([0.25, 0.5], np.float32)
+    model.final_site.gate[...] = np.float32(0.75)
+    result = routing_statistics(model, read_stream([TEXT], tokenizer=BYTE), seq_len=T,
+                                max_windows=2)
+    assert {s["site"]: s["gate"] for s in result["sites"]} == {
+        "L0.attn": 0.0, "L0.mlp": 0.25, "L1.attn": 0.0, "L1.mlp": 0.5, "final": 0.75}
+    assert "gate" not in routing_statistics(init_model(tiny("full", num_layers=2)),
+                                            read_stream([TEXT], tokenizer=BYTE), seq_len=T,
+                                            max_windows=2)["sites"][0]
+
+
 def test_source_names():
     assert source_names(tiny("delta"), 4) == ["emb", "a0", "m0", "a1"]
     assert source_names(tiny("delta", null_source=True), 3) == ["null", "emb", "a0"]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from delta_jax import ModelConfig, init_model
+from delta_jax import ModelConfig, init_model, load_pretrained, save_pretrained
 from delta_jax.checkpoint import restore_model, save_model
 from delta_jax.data.prepare import prepare
 from delta_jax.sharding import make_mesh
@@ -182,6 +182,32 @@ def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):
                                          r"\(checkpoint 4, run 2\)"):
         Trainer(config(data_dir, tmp_path / "bad", f"train.init_from={tmp_path / 'pretrained'}",
                        "model.num_layers=2")).initial_state()
+
+
+def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, tmp_path):
+    """Qwen3 -> block (gated against the residual stream) -> trainer: the first loss is the
+    plain model's, bit for bit; then the gates open and the two runs part."""
+    plain = init_model(ModelConfig(**{**MODEL, "residual": "baseline"}), seed=7)
+    save_model(plain, tmp_path / "plain")
+    converted = load_pretrained(save_pretrained(plain, tmp_path / "qwen3"), residual="block",
+                                num_blocks=2, preserve_function=True)
+    save_model(converted, tmp_path / "converted")
+    steps = ["train.steps=3", "checkpoint.every=3"]
+    run(config(data_dir, tmp_path / "base", f"train.init_from={tmp_path / 'plain'}",
+               "model.residual=baseline", *steps))
+    run(config(data_dir, tmp_path / "block", f"train.init_from={tmp_path / 'converted'}",
+               "model.residual=block", "model.router_init=zeros", "model.routing_gate=true",
+               "model.gate_base=stream", *steps))
+    base, block = losses(tmp_path / "base"), losses(tmp_path / "block")
+    assert block[1] == base[1]
+    assert block[3] != base[3]
+    gates = params_at(tmp_path / "block", 3)["layers"]["mlp_site"]["gate"]
+    assert np.all(gates != 0), gates
+    # the routing record reports the gates (how far each site has moved off the plain model)
+    logged = [r["routing"] for r in read_metrics(tmp_path / "block" / "metrics.jsonl")
+              if "routing" in r and r["step"] == 3][0]
+    np.testing.assert_allclose(np.asarray(logged["gate"])[:, 1], gates, rtol=1e-6)
+    assert np.asarray(logged["gate"]).shape == (4, 2) and np.isfinite(logged["final_gate"])
 
 
 @pytest.mark.slow

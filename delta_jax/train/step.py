@@ -107,11 +107,19 @@ def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) ->
 def make_routing_probe(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
     """(params, input_ids [B,T]) -> {"max_weight", "entropy", "normalized_entropy": [L,2]
     (NaN at unused sites), "final_*": [] (block, full), "mean_weights": a list, one [N] per used
-    site in call order (the last is the final site), of weights averaged over tokens}."""
+    site in call order (the last is the final site), of weights averaged over tokens}, and with
+    routing gates their values: "gate" [L,2], "final_gate" [] (how far each site has moved from
+    its base toward the routed input; all zero right after a preserving conversion)."""
     def probe(params: dict, input_ids: jax.Array) -> dict:
         _, routing = nnx.merge(graphdef, nnx.State(params))(input_ids, return_routing=True)
         stats = routing.statistics()
         stats["mean_weights"] = [w.mean(axis=(1, 2)) for w in routing.calls()]
+        layers = params["layers"]
+        if "gate" in layers["attn_site"]:
+            stats["gate"] = jnp.stack([layers["attn_site"]["gate"], layers["mlp_site"]["gate"]],
+                                      axis=1).astype(jnp.float32)
+        if "gate" in params.get("final_site", {}):
+            stats["final_gate"] = params["final_site"]["gate"].astype(jnp.float32)
         return stats
 
     return jax.jit(probe, in_shardings=(param_shardings, batch_sharding(mesh)),
