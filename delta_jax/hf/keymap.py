@@ -109,6 +109,7 @@ def _routing(prefix: str, site: str) -> list[KeyRule]:
 
 
 _LAYER = "model.layers.{i}."
+_FINAL_QUERY, _FINAL_NORM, _, _FINAL_GATE = _routing("model.", "final")  # it has no null source
 KEY_TABLE: list[KeyRule] = [
     KeyRule("model.embed_tokens.weight", ("embed_tokens",)),
     KeyRule("model.norm.weight", ("norm", "scale")),
@@ -131,10 +132,10 @@ KEY_TABLE: list[KeyRule] = [
             _transpose),
     *_routing(_LAYER, "attn"),
     *_routing(_LAYER, "mlp"),
-    *[dataclasses.replace(rule, when=lambda cfg, w=rule.when: w(cfg) and cfg.has_final_site)
-      for rule in _routing("model.", "final")[:2]],
+    *[dataclasses.replace(rule, when=lambda cfg: cfg.has_final_site)
+      for rule in (_FINAL_QUERY, _FINAL_NORM)],
     # delta_jax's stream-gated block/full also gate the final site (model.final_res_alpha).
-    dataclasses.replace(_routing("model.", "final")[3], when=lambda cfg: cfg.carries_stream),
+    dataclasses.replace(_FINAL_GATE, when=lambda cfg: cfg.carries_stream),
 ]
 
 
