@@ -34,7 +34,7 @@ from flax import nnx
 from delta_jax.data.pipeline import PreparedSplit, build_eval_iterator
 from delta_jax.data.prepare import METADATA, find_inputs, iter_documents
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
-from delta_jax.loading import check_token_ids, data_tokenizer, load_model
+from delta_jax.loading import add_model_arguments, check_token_ids, data_tokenizer, load_model
 from delta_jax.model import CausalLM
 
 
@@ -186,8 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m delta_jax.eval", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True,
-                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
+    add_model_arguments(parser)
     parser.add_argument("--data", required=True, nargs="+",
                         help="a prepared directory, tfds:NAME?data_dir=..&tokenizer=.., or text/"
                              "JSONL/Parquet files")
@@ -198,9 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--max-tokens", type=int, help="read at most this many tokens")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="compute dtype (default: the checkpoint's)")
     parser.add_argument("--output", help="also write the JSON result to this file")
     return parser
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
-from delta_jax.loading import check_token_ids, load_model
+from delta_jax.loading import add_model_arguments, check_token_ids, load_model
 from delta_jax.model import CausalLM
 
 PAD_ID = 0  # left padding; masked out by the cache, so any id will do
@@ -200,8 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m delta_jax.generate", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True,
-                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
+    add_model_arguments(parser)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     prompts.add_argument("--prompt-ids", action="append",
@@ -217,9 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 keeps every token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eos-id", type=int, help="stop token (default: the tokenizer's EOS)")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="compute dtype (default: the checkpoint's)")
     parser.add_argument("--benchmark", action="store_true",
                         help="run twice and time the second (compiled) run")
     parser.add_argument("--memory", action="store_true",

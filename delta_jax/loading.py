@@ -10,6 +10,7 @@ None (the tools then take and print token ids).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import urllib.parse
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import yaml
 
 from delta_jax.checkpoint import restore_model
+from delta_jax.config import DTYPES
 from delta_jax.data.prepare import METADATA
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.hf.load import CONFIG as HF_CONFIG
@@ -28,6 +30,14 @@ from delta_jax.model import CausalLM
 
 def _is_checkpoint_dir(path: Path) -> bool:
     return any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --step and --dtype of the CLIs that read a model through load_model."""
+    parser.add_argument("--model", required=True,
+                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the checkpoint's)")
 
 
 def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | None = None,
