@@ -53,6 +53,17 @@ def wait_for_line(proc, text, timeout=300) -> str:
     raise AssertionError(f"process ended before printing {text!r}:\n{''.join(seen)[-3000:]}")
 
 
+def interrupt(cfg, tmp_root, sig) -> str:
+    """Start a run, send `sig` once its train step has compiled, and expect exit 75; the
+    run's output."""
+    proc = start(cfg, tmp_root)
+    wait_for_line(proc, "train step compiled")
+    proc.send_signal(sig)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    return output
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("faults")
@@ -67,13 +78,9 @@ def straight(data_dir, root):  # noqa: F811
 
 def test_sigterm_checkpoints_and_resumes_bitwise(straight, data_dir, root):  # noqa: F811
     cfg = config(data_dir, root / "sigterm")
-    proc = start(cfg, root)
     # The signal usually lands during the step-0 evaluation: the run trains step 1,
     # checkpoints it and exits.
-    wait_for_line(proc, "train step compiled")
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    output = interrupt(cfg, root, signal.SIGTERM)
     step = int(re.search(r"SIGTERM received: checkpointed step (\d+) at", output)[1])
     assert 1 <= step < STEPS  # usually 1: the signal lands during the step-0 evaluation
     assert Checkpointer(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint).steps()[0] == step
@@ -82,12 +89,7 @@ def test_sigterm_checkpoints_and_resumes_bitwise(straight, data_dir, root):  # n
 
 
 def test_sigint_exits_with_the_same_code(data_dir, root):  # noqa: F811
-    cfg = config(data_dir, root / "sigint")
-    proc = start(cfg, root)
-    wait_for_line(proc, "train step compiled")
-    proc.send_signal(signal.SIGINT)
-    output = proc.communicate(timeout=300)[0]
-    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    output = interrupt(config(data_dir, root / "sigint"), root, signal.SIGINT)
     assert re.search(r"SIGINT received: checkpointed step \d+ at", output), output[-3000:]
 
 
