@@ -8,6 +8,7 @@ import importlib
 _EXPORTS = {
     "ModelConfig": "delta_jax.config",
     "CausalLM": "delta_jax.model",
+    "ModelOutput": "delta_jax.model",
     "Routing": "delta_jax.model",
     "count_params": "delta_jax.model",
     "init_model": "delta_jax.model",

@@ -53,7 +53,7 @@ def source_names(cfg: ModelConfig, count: int) -> list[str]:
 @functools.partial(jax.jit, static_argnums=0)
 def _batch_routing(graphdef, state, input_ids):
     """[B,T] ids -> (Routing whose weights are the batch means [L,2,N_pad,1,1], statistics)."""
-    _, routing, _ = nnx.merge(graphdef, state).hidden_states(input_ids, return_routing=True)
+    routing = nnx.merge(graphdef, state).forward(input_ids, return_routing=True).routing
     mean = lambda w: None if w is None else w.mean(axis=(-2, -1), keepdims=True)
     return (routing.replace(weights=mean(routing.weights), final=mean(routing.final)),
             routing.statistics())

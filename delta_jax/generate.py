@@ -80,8 +80,8 @@ def _generate(graphdef, state, prompt, start, key, eos_id, *, max_new_tokens: in
     model = nnx.merge(graphdef, state)
     batch = prompt.shape[0]
     cache = model.init_cache(batch, prompt.shape[1] + max_new_tokens, start)
-    logits, cache = model(prompt, cache=cache)
-    logits = logits[:, -1].astype(jnp.float32)
+    out = model.forward(prompt, cache=cache)
+    logits, cache = out.logits[:, -1].astype(jnp.float32), out.cache
     tokens = jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32)
     kept = (jnp.zeros((batch, max_new_tokens, logits.shape[-1]), jnp.float32)
             if keep_logits else None)
@@ -102,8 +102,10 @@ def _generate(graphdef, state, prompt, start, key, eos_id, *, max_new_tokens: in
 
     def body(carry):
         i, token, cache, tokens, kept, done = carry
-        logits, cache = model(token[:, None], cache=cache)
-        token, tokens, kept, done = emit(i, logits[:, 0].astype(jnp.float32), tokens, kept, done)
+        out = model.forward(token[:, None], cache=cache)
+        token, tokens, kept, done = emit(i, out.logits[:, 0].astype(jnp.float32), tokens, kept,
+                                         done)
+        cache = out.cache
         return i + 1, token, cache, tokens, kept, done
 
     steps, _, _, tokens, kept, _ = jax.lax.while_loop(
@@ -178,7 +180,8 @@ def decode_memory(model: CausalLM, batch: int, capacity: int) -> dict[str, int]:
     cache = model.init_cache(batch, capacity)
 
     def step(state, token, cache):
-        return nnx.merge(graphdef, state)(token, cache=cache)
+        out = nnx.merge(graphdef, state).forward(token, cache=cache)
+        return out.logits, out.cache
 
     compiled = jax.jit(step).lower(state, jnp.zeros((batch, 1), jnp.int32), cache).compile()
     stats = compiled.memory_analysis()

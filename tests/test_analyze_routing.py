@@ -30,7 +30,7 @@ def test_statistics_equal_those_of_the_raw_weights(cfg):
     stream = read_stream([TEXT], tokenizer=BYTE)
     result = routing_statistics(model, stream, seq_len=T, max_windows=WINDOWS, batch_size=4)
     ids = stream.tokens[:WINDOWS * T].reshape(WINDOWS, T)
-    _, routing = jax.jit(lambda x: model(x, return_routing=True))(ids)
+    routing = jax.jit(lambda x: model.forward(x, return_routing=True))(ids).routing
     calls = [np.asarray(w, np.float64) for w in routing.calls()]  # each [N, B, T]
     assert result["tokens"] == WINDOWS * T
     assert len(result["sites"]) == len(calls)

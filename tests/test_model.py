@@ -42,7 +42,7 @@ def expected_site_sources(residual: str, num_layers: int, num_blocks: int):
 def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
     cfg = tiny(residual=residual, num_layers=num_layers, num_blocks=num_blocks)
     model = init_model(cfg, 1)
-    _, routing = model(IDS[:, :6], return_routing=True)
+    routing = model.forward(IDS[:, :6], return_routing=True).routing
     sites, final = expected_site_sources(residual, num_layers, num_blocks)
     np.testing.assert_array_equal(routing.num_sources, np.array(sites))
     assert routing.final_sources == final
@@ -73,7 +73,8 @@ def test_scan_matches_literal_spec(config):
     for layer_site in (model.layers.attn_site, model.layers.mlp_site):
         if layer_site.null is not None:
             layer_site.null[...] = jax.random.normal(jax.random.key(3), layer_site.null.shape)
-    logits, routing = jax.jit(lambda ids: model(ids, return_routing=True))(IDS)
+    out = jax.jit(lambda ids: model.forward(ids, return_routing=True))(IDS)
+    logits, routing = out.logits, out.routing
     want_logits, want_calls = reference_forward(model, IDS)
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
     calls = routing.calls()
@@ -85,7 +86,8 @@ def test_scan_matches_literal_spec(config):
 def test_public_output_shapes():
     cfg = tiny(residual="block", num_layers=3, num_blocks=2, tie_word_embeddings=False)
     model = init_model(cfg, 0)
-    logits, routing, hidden = model(IDS, return_routing=True, return_hidden=True)
+    out = model.forward(IDS, return_routing=True)
+    logits, routing, hidden = out.logits, out.routing, out.hidden
     chex.assert_shape(logits, (2, 12, 128))
     chex.assert_shape(hidden, (2, 12, 32))
     n_pad = model.schedule.num_slots + 1  # committed slots + the live partial
@@ -97,7 +99,8 @@ def test_public_output_shapes():
         chex.assert_shape(stats["final_" + key], ())
         chex.assert_tree_all_finite(stats[key])
     cache = model.init_cache(2, 16)
-    step_logits, cache = model(IDS[:, :4], cache=cache)
+    out = model.forward(IDS[:, :4], cache=cache)
+    step_logits, cache = out.logits, out.cache
     chex.assert_shape(step_logits, (2, 4, 128))
     chex.assert_shape([cache.k, cache.v], [(3, 2, 16, 2, 8)] * 2)
     assert int(cache.length) == 4
@@ -105,7 +108,7 @@ def test_public_output_shapes():
 
 def test_routing_statistics_definitions():
     model = init_model(tiny(residual="delta"), 4)
-    _, routing = model(IDS, return_routing=True)
+    routing = model.forward(IDS, return_routing=True).routing
     stats = routing.statistics()
     alpha = np.asarray(routing.site_weights(2, 1), np.float64)  # [N,B,T]
     entropy = -(alpha * np.log(alpha)).sum(0).mean()

@@ -47,8 +47,8 @@ class TestGolden(chex.TestCase):
 
                 @self.variant
                 def forward(ids):
-                    logits, routing, hidden = model(ids, return_routing=True,
-                                                    return_hidden=True)
+                    out = model.forward(ids, return_routing=True)
+                    logits, routing, hidden = out.logits, out.routing, out.hidden
                     loss = optax.softmax_cross_entropy_with_integer_labels(
                         logits[:, :-1], ids[:, 1:]).mean()
                     return logits, loss, routing, hidden

@@ -1,4 +1,5 @@
-"""The model: Qwen3 with the five residual variants (SPEC.md)."""
-from delta_jax.model.causal_lm import CausalLM, Routing, count_params, init_model
+"""The model: Qwen3 with the five residual variants (docs/spec.md)."""
+from delta_jax.model.causal_lm import CausalLM, ModelOutput, count_params, init_model
+from delta_jax.model.routing import Routing
 
-__all__ = ["CausalLM", "Routing", "count_params", "init_model"]
+__all__ = ["CausalLM", "ModelOutput", "Routing", "count_params", "init_model"]

@@ -1,53 +1,26 @@
 """One decoder layer and its residual variants, written for a scan over stacked layers.
 
-Conventions: B batch, T sequence, D hidden, S buffer slots. The carry between layers is
-  h      [B,T,D]   residual stream (baseline, delta, delta_block), the partial block sum (block)
-                   or the last sublayer output (full);
-  stream [B,T,D]   only with gate_base="stream" (block, full): the plain residual stream, summed
-                   in the baseline's order so that a zero gate reproduces it bit for bit;
-  buf    [S,B,T,D] committed sources, slots written once in order, unwritten slots zero;
-  rinv   [S,B,T]   float32 inverse RMS of each committed source.
-A layer returns its new per-token state ({"h"} or {"h", "stream"}: every carry entry but the
-buffer) and its writes; `row` holds its schedule entries (schedule.py), traced inside a scan.
+Conventions: B batch, T sequence, D hidden, S buffer slots; the types are protocol.py's.
+`DecoderLayer` holds the parameters (Qwen3's sublayers and, for the routing variants, one
+routing site per sublayer); its call dispatches to the function of its variant family
+(`VARIANT_LAYERS`), each of which reads a Carry (the buffer read-only) and returns a
+LayerOutput. A layer never writes the buffer itself: its MLP site sees this layer's own write
+as a `fresh` source. Buffer reads are then linear in a loop-invariant array, which lets the
+lean backward pass accumulate their cotangents in place instead of copying the buffer.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from delta_jax.model.layers import MLP, Attention, RMSNorm, dtype_of
-from delta_jax.model.routing import RoutingSite, Write, inverse_rms
-from delta_jax.sharding import constrain
-
-Carry = dict  # {"h": [B,T,D], "stream"?: [B,T,D], "buf": [S,B,T,D], "rinv": [S,B,T]}
-BUFFER_KEYS = ("buf", "rinv")
-
-
-def layer_state(carry: Carry) -> dict:
-    """The per-token entries of the carry (everything but the source buffer)."""
-    return {k: v for k, v in carry.items() if k not in BUFFER_KEYS}
-
-
-def make_write(value: jax.Array, slot, eps: float, when=True, dtype=None) -> Write:
-    value = value.astype(dtype or value.dtype)
-    return Write(value, inverse_rms(value, eps), slot, when)
-
-
-def apply_writes(carry: Carry, writes: tuple[Write, ...]) -> Carry:
-    """Commit a layer's writes to the buffer (in place inside a scan)."""
-    buf, rinv = carry["buf"], carry["rinv"]
-    for write in writes:
-        value, r = write.value.astype(buf.dtype), write.rinv
-        if write.when is not True:  # an unwritten slot keeps what it holds (zeros)
-            value = jnp.where(write.when, value,
-                              jax.lax.dynamic_index_in_dim(buf, write.slot, keepdims=False))
-            r = jnp.where(write.when, r,
-                          jax.lax.dynamic_index_in_dim(rinv, write.slot, keepdims=False))
-        buf = jax.lax.dynamic_update_index_in_dim(buf, value, write.slot, 0)
-        rinv = jax.lax.dynamic_update_index_in_dim(rinv, r, write.slot, 0)
-    return {**carry, "buf": buf, "rinv": rinv}
+from delta_jax.model.layers import MLP, Attention, LayerCache, RMSNorm, dtype_of
+from delta_jax.model.protocol import (Carry, LayerContext, LayerOutput, ScheduleRow,
+                                      SourceBuffer, TokenState, Write)
+from delta_jax.model.routing import RoutingSite
 
 
 class DecoderLayer(nnx.Module):
@@ -64,99 +37,120 @@ class DecoderLayer(nnx.Module):
             self.attn_site = RoutingSite(cfg, rngs, stack=stack)
             self.mlp_site = RoutingSite(cfg, rngs, stack=stack)
 
-    # Sublayers, named for remat policies -------------------------------------------------
-    def attention(self, x, ctx):
-        out, cache = self.self_attn(self.input_layernorm(x), *ctx["rope"], cache=ctx["cache"])
+    # Sublayers, their outputs named for remat policies -------------------------------------
+    def attention(self, x: jax.Array, ctx: LayerContext) -> tuple[jax.Array, LayerCache | None]:
+        """[B,T,D] (before the input norm) -> ([B,T,D], the updated cache or None)."""
+        out, cache = self.self_attn(self.input_layernorm(x), *ctx.rope, cache=ctx.cache)
         return checkpoint_name(out, "attn_out"), cache
 
-    def feed_forward(self, x):
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """[B,T,D] (before the post-attention norm) -> [B,T,D]."""
         return checkpoint_name(self.mlp(self.post_attention_layernorm(x)), "mlp_out")
 
-    def additive_input(self, site: RoutingSite, carry: Carry, visible, h, fresh=None):
-        """Delta modes: h + mix (gated); the identity when the site sees no source."""
-        mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh)
-        return site.gated(h, h + mix), weights
+    def __call__(self, carry: Carry, row: ScheduleRow, ctx: LayerContext) -> LayerOutput:
+        carry = carry.replace(state=carry.state.constrained())
+        return VARIANT_LAYERS[self.cfg.residual](self, carry, row, ctx)
 
-    def replacement_input(self, site: RoutingSite, carry: Carry, visible, live, fresh=None,
-                          stream=None):
-        """AttnRes modes: the routed mix over committed sources plus the live state, gated
-        against the live state (the reference) or the residual stream (gate_base='stream')."""
-        mix, weights = site(carry["buf"], carry["rinv"], visible, fresh=fresh, live=live)
-        return site.gated(live if stream is None else stream, mix), weights
 
-    # The layer ---------------------------------------------------------------------------
-    def __call__(self, carry: Carry, row: dict, ctx: dict):
-        """carry (its buffer read-only), schedule row {first_write, attn_visible, boundary},
-        context {"rope": (cos, sin) [B,T,hd], "cache": LayerCache or None} ->
-        (state {"h": [B,T,D], "stream"?: [B,T,D]}, writes: tuple of Write for the driver to
-         commit, (attention-site weights [N_pad,B,T], MLP-site weights [N_pad,B,T]) or ()
-         (baseline), the updated LayerCache or None).
+def additive_input(site: RoutingSite, buffer: SourceBuffer, visible, h: jax.Array,
+                   fresh: Write | None = None) -> tuple[jax.Array, jax.Array]:
+    """Delta modes' sublayer input h + mix (gated against h); h itself with no source.
+    -> (input [B,T,D], weights [N_pad,B,T])."""
+    mix, weights = site(buffer, visible, fresh=fresh)
+    return site.gated(h, h + mix), weights
 
-        The layer never writes the buffer itself: its MLP site sees this layer's own write as a
-        `fresh` source. Buffer reads are then linear in a loop-invariant array, which lets the
-        lean backward pass accumulate their cotangents in place instead of copying the buffer.
-        """
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        h = constrain(carry["h"], ("batch", "seq", "act_embed"))
-        stream = carry.get("stream")
-        if stream is not None:
-            stream = constrain(stream, ("batch", "seq", "act_embed"))
-        dtype = carry["buf"].dtype
-        slot = row["first_write"]
-        variant = cfg.residual
-        if variant == "baseline":
-            a, cache = self.attention(h, ctx)
-            h = h + a
-            return {"h": h + self.feed_forward(h)}, (), (), cache
 
-        if variant in ("full", "block"):
-            # The live state: full, the last sublayer output (every input state is committed);
-            # block, the partial block sum (committed and restarted at each boundary).
-            full = variant == "full"
-            x, w_attn = self.replacement_input(self.attn_site, carry, row["attn_visible"], h,
-                                               stream=stream)
-            committed = make_write(h, slot, eps, when=True if full else row["boundary"],
-                                   dtype=dtype)
-            a, cache = self.attention(x, ctx)
-            live = a if full else jnp.where(row["boundary"], jnp.zeros_like(h), h) + a
-            stream = None if stream is None else stream + a
-            x, w_mlp = self.replacement_input(self.mlp_site, carry, slot, live, fresh=committed,
-                                              stream=stream)
-            m = self.feed_forward(x)
-            state = {"h": m if full else live + m}
-            if stream is not None:
-                state["stream"] = stream + m
-            writes = (committed, make_write(a, slot + 1, eps, dtype=dtype)) if full else (
-                committed,)
-            return state, writes, (w_attn, w_mlp), cache
+def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: jax.Array,
+                      stream: jax.Array | None, fresh: Write | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """AttnRes modes' sublayer input: the mix over the committed sources and the live state,
+    gated against the live state (the reference) or the residual stream (gate_base="stream").
+    -> (input [B,T,D], weights [N_pad,B,T])."""
+    mix, weights = site(buffer, visible, fresh=fresh, live=live)
+    return site.gated(live if stream is None else stream, mix), weights
 
-        if variant == "delta":
-            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"], h)
-            a, cache = self.attention(x, ctx)
-            first = make_write(a, slot, eps, dtype=dtype)
-            h = h + a
-            x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=first)
-            m = self.feed_forward(x)
-            second = make_write(m, slot + 1, eps, dtype=dtype)
-            return {"h": h + m}, (first, second), (w_attn, w_mlp), cache
 
-        if variant == "delta_block":
-            boundary = row["boundary"]
-            x, w_attn = self.additive_input(self.attn_site, carry, row["attn_visible"], h)
-            a, cache = self.attention(x, ctx)
-            # Unwritten slots are zero in the forward pass, so both rules give h itself for the
-            # first block; the masks keep them right over the final buffer in the lean backward.
-            buf = carry["buf"]
-            if cfg.block_sources == "reference":
-                previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
-                    buf, jnp.maximum(slot - 1, 0), keepdims=False), 0)
-            else:
-                before = jnp.arange(buf.shape[0]) < slot
-                previous = jnp.sum(jnp.where(before[:, None, None, None], buf, 0), axis=0)
-            committed = make_write(h - previous.astype(h.dtype), slot, eps, when=boundary,
-                                   dtype=dtype)
-            h = h + a
-            x, w_mlp = self.additive_input(self.mlp_site, carry, slot, h, fresh=committed)
-            return {"h": h + self.feed_forward(x)}, (committed,), (w_attn, w_mlp), cache
+def baseline_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
+                   ctx: LayerContext) -> LayerOutput:
+    """Qwen3's pre-norm layer (docs/spec.md section 1): h += Attn(h); h += MLP(h)."""
+    h = carry.state.h
+    a, cache = layer.attention(h, ctx)
+    h = h + a
+    return LayerOutput(TokenState(h + layer.feed_forward(h)), cache=cache)
 
-        raise ValueError(f"unknown residual variant {variant!r}")
+
+def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
+                      ctx: LayerContext) -> LayerOutput:
+    """block and full (AttnRes, docs/spec.md sections 2-3): each sublayer reads the routed mix
+    of the committed sources and the live state instead of a residual stream.
+
+    The one difference: `full` commits every sublayer's input (its layer input at slot 2l, the
+    attention output at 2l+1) and its live state is the last sublayer output; `block` commits
+    its live state, the partial block sum, only at a block boundary and restarts it from zero.
+    With gate_base="stream" the state also carries the plain residual stream (docs/spec.md
+    section 6), which every site's gate starts from.
+    """
+    full = layer.cfg.residual == "full"
+    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    h, stream, slot = carry.state.h, carry.state.stream, row.first_write
+    x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream)
+    committed = Write.of(h, slot, eps, when=None if full else row.boundary, dtype=dtype)
+    a, cache = layer.attention(x, ctx)
+    live = a if full else jnp.where(row.boundary, jnp.zeros_like(h), h) + a
+    stream = None if stream is None else stream + a
+    x, w_mlp = replacement_input(layer.mlp_site, carry.buffer, slot, live, stream,
+                                 fresh=committed)
+    m = layer.feed_forward(x)
+    state = TokenState(m if full else live + m, None if stream is None else stream + m)
+    writes = (committed, Write.of(a, slot + 1, eps, dtype=dtype)) if full else (committed,)
+    return LayerOutput(state, writes, (w_attn, w_mlp), cache)
+
+
+def delta_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
+                ctx: LayerContext) -> LayerOutput:
+    """Delta AttnRes (docs/spec.md section 3): every sublayer output is a source, and each
+    sublayer reads h + the routed mix; the embedding is source 0, written before the loop."""
+    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    h, slot = carry.state.h, row.first_write
+    x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h)
+    a, cache = layer.attention(x, ctx)
+    first = Write.of(a, slot, eps, dtype=dtype)
+    h = h + a
+    x, w_mlp = additive_input(layer.mlp_site, carry.buffer, slot, h, fresh=first)
+    m = layer.feed_forward(x)
+    second = Write.of(m, slot + 1, eps, dtype=dtype)
+    return LayerOutput(TokenState(h + m), (first, second), (w_attn, w_mlp), cache)
+
+
+def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
+                      ctx: LayerContext) -> LayerOutput:
+    """Delta Block (docs/spec.md section 3): at a block boundary the stream's change since
+    the previous source is committed (block_sources "reference": h - S[-1]; "paper":
+    h - sum(S)); the attention site routes before that write, the MLP site after it."""
+    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    h, slot, buffer = carry.state.h, row.first_write, carry.buffer
+    x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h)
+    a, cache = layer.attention(x, ctx)
+    # Unwritten slots are zero in the forward pass, so both rules give h itself for the first
+    # block; the masks keep them right over the final buffer in the lean backward pass.
+    if layer.cfg.block_sources == "reference":
+        previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
+            buffer.values, jnp.maximum(slot - 1, 0), keepdims=False), 0)
+    else:
+        before = jnp.arange(buffer.values.shape[0]) < slot
+        previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
+    committed = Write.of(h - previous.astype(h.dtype), slot, eps, when=row.boundary,
+                         dtype=dtype)
+    h = h + a
+    x, w_mlp = additive_input(layer.mlp_site, buffer, slot, h, fresh=committed)
+    return LayerOutput(TokenState(h + layer.feed_forward(x)), (committed,), (w_attn, w_mlp),
+                       cache)
+
+
+VARIANT_LAYERS: dict[str, Callable[..., LayerOutput]] = {
+    "baseline": baseline_layer,
+    "block": replacement_layer,
+    "full": replacement_layer,
+    "delta": delta_layer,
+    "delta_block": delta_block_layer,
+}

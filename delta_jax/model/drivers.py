@@ -5,21 +5,22 @@
 - `lean` (default): the same forward, under a custom_vjp whose backward is a reverse scan that
   rebuilds layer i's input buffer from the final one (every slot is written once, from zero, so
   the input is the final buffer masked to the slots written before layer i) and recomputes the
-  layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer memory, the cost of
-  one extra forward (the same as full remat).
+  layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer
+  memory, at the cost of one extra forward (the same as full remat).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
-Conventions: L layers; `params` is the nnx.State of the stacked layers (leading axis L);
-`step(params_l, carry, row) -> (state, writes, outputs)` runs one layer, reading the buffer and
-returning its new per-token state ({"h"} or {"h", "stream"}) and its writes (decoder.py), which
-the driver commits; `rows` holds the schedule columns [L] (schedule.py).
+Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
+one layer on its slice `inputs_l` of the stacked `inputs` (parameters, and the layer's KV cache
+when decoding), reading the buffer; the driver commits the returned writes. `rows` is the
+schedule's ScheduleRow of [L] columns. Each driver returns (final Carry, per-layer outputs
+(routing weights, cache) stacked on a leading L axis).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from delta_jax.model.decoder import apply_writes, layer_state
+from delta_jax.model.protocol import Carry, LayerOutput, ScheduleRow, SourceBuffer
 
 REMAT_POLICIES = {
     "none": None,
@@ -36,83 +37,83 @@ def with_remat(step, policy: str):
     return jax.checkpoint(step, policy=REMAT_POLICIES[policy])
 
 
-def _row(rows: dict, index) -> dict:
-    return {k: jnp.asarray(v)[index] for k, v in rows.items()}
+def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
+    out: LayerOutput = step(inputs_l, carry, row)
+    return Carry(out.state, carry.buffer.commit(out.writes)), (out.weights, out.cache)
 
 
-def _advance(step, params_l, carry, row):
-    state, writes, outputs = step(params_l, carry, row)
-    return apply_writes({**carry, **state}, writes), outputs
-
-
-def run_scan(step, params, carry, rows: dict):
+def run_scan(step, inputs, carry: Carry, rows: ScheduleRow):
     def body(c, xs):
-        params_l, index = xs
-        return _advance(step, params_l, c, _row(rows, index))
+        inputs_l, index = xs
+        return _advance(step, inputs_l, c, rows.at(index))
 
-    num_layers = len(next(iter(rows.values())))
-    return jax.lax.scan(body, carry, (params, jnp.arange(num_layers)))
+    return jax.lax.scan(body, carry, (inputs, jnp.arange(rows.num_layers)))
 
 
-def run_unrolled(step, params, carry, rows: dict):
+def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow):
     outputs = []
-    num_layers = len(next(iter(rows.values())))
-    for index in range(num_layers):
-        params_l = jax.tree.map(lambda x: x[index], params)
-        carry, out = _advance(step, params_l, carry, {k: v[index] for k, v in rows.items()})
+    for index in range(rows.num_layers):
+        inputs_l = jax.tree.map(lambda x: x[index], inputs)
+        carry, out = _advance(step, inputs_l, carry, rows.at(index))
         outputs.append(out)
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
 
-def run_lean(step, params, carry, rows: dict):
+def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple[jax.Array, jax.Array]:
+    """The cotangent of a write: what later layers' reads left in its slot (none when the
+    write did not happen)."""
+    value, inv_rms = d_buffer.slot(slot)
+    if when is None:
+        return value, inv_rms
+    return jnp.where(when, value, 0), jnp.where(when, inv_rms, 0)
+
+
+def run_lean(step, inputs, carry: Carry, rows: ScheduleRow):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan."""
-    indices = jnp.arange(len(rows["first_write"]))
+    indices = jnp.arange(rows.num_layers)
 
-    def layer(params_l, c, index):
-        return _advance(step, params_l, c, _row(rows, index))[0]
+    def layer(inputs_l, c, index):
+        return _advance(step, inputs_l, c, rows.at(index))[0]
 
     @jax.custom_vjp
-    def lean(params, carry):
+    def lean(inputs, carry):
         return jax.lax.scan(lambda c, xs: (layer(xs[0], c, xs[1]), None), carry,
-                            (params, indices))[0]
+                            (inputs, indices))[0]
 
-    def forward(params, carry):
+    def forward(inputs, carry):
         final, state_inputs = jax.lax.scan(
-            lambda c, xs: (layer(xs[0], c, xs[1]), layer_state(c)), carry, (params, indices))
-        return final, (params, state_inputs, final)
+            lambda c, xs: (layer(xs[0], c, xs[1]), c.state), carry, (inputs, indices))
+        return final, (inputs, state_inputs, final)
 
-    def backward(residuals, final_cotangent):
-        params, state_inputs, final = residuals
+    def backward(residuals, final_cotangent: Carry):
+        inputs, state_inputs, final = residuals
 
-        def body(cotangent, xs):
-            params_l, state_in, index = xs
-            row = _row(rows, index)
+        def body(cotangent: Carry, xs):
+            inputs_l, state_in, index = xs
+            row = rows.at(index)
 
-            def layer_reads(p, state, buf, rinv):
+            def layer_reads(p, state, buffer):
                 # Over the final buffer: the slots layer `index` had not yet seen are masked in
                 # its sites, so reading them changes nothing and passes them no gradient.
-                state_out, writes, _ = step(p, {**state, "buf": buf, "rinv": rinv}, row)
-                return ((state_out, [(w.value, w.rinv) for w in writes]),
-                        [(w.slot, w.when) for w in writes])
+                out = step(p, Carry(state, buffer), row)
+                return ((out.state, [(w.value, w.inv_rms) for w in out.writes]),
+                        [(w.slot, w.when) for w in out.writes])
 
-            _, vjp, slots = jax.vjp(layer_reads, params_l, state_in, final["buf"],
-                                    final["rinv"], has_aux=True)
-            # A written value's cotangent is what later layers' reads left in its slot.
-            d_writes = [tuple(jnp.where(when, jax.lax.dynamic_index_in_dim(
-                cotangent[key], slot, keepdims=False), 0) for key in ("buf", "rinv"))
-                for slot, when in slots]
-            d_params, d_state, d_buf, d_rinv = vjp((layer_state(cotangent), d_writes))
-            return {**d_state, "buf": cotangent["buf"] + d_buf,
-                    "rinv": cotangent["rinv"] + d_rinv}, d_params
+            _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, final.buffer,
+                                      has_aux=True)
+            d_writes = [_written_cotangent(cotangent.buffer, slot, when)
+                        for slot, when in targets]
+            d_inputs, d_state, d_buffer = vjp((cotangent.state, d_writes))
+            return Carry(d_state, jax.tree.map(jnp.add, cotangent.buffer, d_buffer)), d_inputs
 
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
-        d_carry, d_params = jax.lax.scan(body, final_cotangent, (params, state_inputs, indices),
+        d_carry, d_inputs = jax.lax.scan(body, final_cotangent, (inputs, state_inputs, indices),
                                          reverse=True)
-        return d_params, d_carry
+        return d_inputs, d_carry
 
     lean.defvjp(forward, backward)
-    return lean(params, carry), ((), None)
+    return lean(inputs, carry), (None, None)
 
 
 DRIVERS = {"scan": run_scan, "lean": run_lean, "unrolled": run_unrolled}

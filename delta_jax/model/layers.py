@@ -34,6 +34,12 @@ def make_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str | 
     return nnx.Param(value.astype(dtype), logical_axes=axes)
 
 
+def inverse_rms(x: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [...] float32: rsqrt(mean(x^2) + eps)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """[..., D] -> [..., D] in x's dtype; statistics in float32 like Qwen3RMSNorm."""
     x32 = x.astype(jnp.float32)

@@ -1,30 +1,22 @@
-"""The routing site: a learned softmax over earlier sublayer outputs (SPEC.md section 2).
+"""The routing site: a learned softmax over earlier sublayer outputs (docs/spec.md section 2),
+and `Routing`, the report of every site's weights.
 
-Conventions: S buffer slots, N = sources a site sees, B batch, T sequence, D hidden.
-Sources live in one preallocated buffer [S,B,T,D] with a float32 inverse-RMS cache [S,B,T]
-written once per source, so a site's logits are r_n * ((w*g) . s_n): the normalised sources are
-never materialised. A site can also see a per-site learned null source [D] (prepended, delta
-modes) and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
+Conventions: S buffer slots, N = sources a site sees, B batch, T sequence, D hidden, L layers.
+Sources live in a `SourceBuffer` (values [S,B,T,D], float32 inverse RMS [S,B,T]) written once per
+source, so a site's logits are r_n * ((w*g) . s_n): the normalised sources are never
+materialised. A site can also see a per-site learned null source [D] (prepended, delta modes)
+and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
 replacement modes, appended). Padded weight layout of a site: [null?] + S slots + [live?].
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, struct
 
-from delta_jax.model.layers import make_param
-
-
-class Write(NamedTuple):
-    """A source a layer commits to the buffer: value [B,T,D], its inverse RMS [B,T] float32,
-    the slot, and whether it is written at all (a traced bool for block boundaries)."""
-    value: jax.Array
-    rinv: jax.Array
-    slot: Any
-    when: Any = True
+from delta_jax.model.layers import inverse_rms, make_param
+from delta_jax.model.protocol import SourceBuffer, Write
 
 
 class RoutingSite(nnx.Module):
@@ -45,56 +37,58 @@ class RoutingSite(nnx.Module):
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
                      if cfg.routing_gate and gated else None)
 
-    def __call__(self, buffer: jax.Array, inv_rms: jax.Array, num_valid, *,
-                 fresh: "Write | None" = None, live: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, sources: SourceBuffer, num_valid, *, fresh: Write | None = None,
+                 live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Route over buffer slots [0, num_valid), a source `fresh`ly written by this layer
         (slot num_valid, not yet in the read-only buffer), and the null and live sources.
 
-        buffer [S,B,T,D], inv_rms [S,B,T] float32, num_valid int (static or traced),
-        live [B,T,D] or None -> mix [B,T,D] in buffer dtype, weights [N_pad,B,T] float32 in
-        the padded layout (zero on unused slots; all zero, and mix zero, with no source).
+        num_valid int (static or traced), live [B,T,D] or None -> mix [B,T,D] in the buffer's
+        dtype, weights [N_pad,B,T] float32 in the padded layout (zero on unused slots; all zero,
+        and mix zero, with no source).
         Slots at or past num_valid may hold later sources (the lean backward pass reads the
         final buffer): they are masked out of the softmax and get no gradient.
         """
+        buffer, inv_rms = sources.values, sources.inv_rms
         wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
         logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
                                        preferred_element_type=jnp.float32)]
         valid = [jnp.arange(num_slots) < num_valid]
-        extra = []  # (name, [B,T,D] or [D] value) of the sources outside the buffer
         if self.null is not None:
             null = self.null[...].astype(jnp.float32)
             null_logit = jnp.dot(null, wg) * jax.lax.rsqrt(jnp.mean(null * null) + self.eps)
             logits.insert(0, jnp.broadcast_to(null_logit, (1, *batch_shape)))
             valid.insert(0, jnp.ones((1,), bool))
-        for name, value, rinv, ok in (
-                ("fresh", *((fresh.value, fresh.rinv, fresh.when) if fresh else (None,) * 3)),
-                ("live", live, None if live is None else inverse_rms(live, self.eps), True)):
-            if value is None:
-                continue
+        # The sources outside the buffer, in padded order: (value [B,T,D], inv_rms [B,T], present)
+        outside = []
+        if fresh is not None:
+            outside.append((fresh.value, fresh.inv_rms,
+                            True if fresh.when is None else fresh.when))
+        if live is not None:
+            outside.append((live, inverse_rms(live, self.eps), True))
+        for value, rinv, present in outside:
             logits.append((rinv * jnp.einsum("btd,d->bt", value, wg.astype(value.dtype),
                                              preferred_element_type=jnp.float32))[None])
-            valid.append(jnp.full((1,), ok, bool))
-            extra.append((name, value))
+            valid.append(jnp.full((1,), present, bool))
         weights = masked_softmax(jnp.concatenate(logits), jnp.concatenate(valid))
 
         null_weight, weights = ((weights[0], weights[1:]) if self.null is not None
                                 else (None, weights))
-        slot_weights, extra_weights = weights[:num_slots], weights[num_slots:]
+        slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
         mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
                          preferred_element_type=jnp.float32)
         if null_weight is not None:
             mix = mix + null_weight[..., None] * null
-        padded = [] if null_weight is None else [null_weight[None]]
-        for (name, value), weight in zip(extra, extra_weights):
+        for (value, _, _), weight in zip(outside, outside_weights):
             mix = mix + weight[..., None] * value.astype(jnp.float32)
-            if name == "fresh":  # report it at the slot it is being written to
-                slot_weights = slot_weights + jax.nn.one_hot(num_valid, num_slots)[:, None,
-                                                                                   None] * weight
+        if fresh is not None:  # report the fresh source at the slot it is being written to
+            slot_weights = (slot_weights
+                            + jax.nn.one_hot(num_valid, num_slots)[:, None, None]
+                            * outside_weights[0])
+        padded = [] if null_weight is None else [null_weight[None]]
         padded.append(slot_weights)
         if live is not None:
-            padded.append(extra_weights[-1:])
+            padded.append(outside_weights[-1:])
         return mix.astype(buffer.dtype), jnp.concatenate(padded)
 
     def gated(self, base: jax.Array, routed: jax.Array) -> jax.Array:
@@ -103,12 +97,6 @@ class RoutingSite(nnx.Module):
             return routed
         a = self.gate[...].astype(routed.dtype)
         return (1 - a) * base + a * routed
-
-
-def inverse_rms(x: jax.Array, eps: float) -> jax.Array:
-    """[..., D] -> [...] float32: rsqrt(mean(x^2) + eps)."""
-    x32 = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
 
 
 def masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
@@ -139,3 +127,57 @@ def weight_statistics(weights: jax.Array, num_sources) -> dict[str, jax.Array]:
     return {"max_weight": jnp.where(unused, nan, max_weight),
             "entropy": jnp.where(unused, nan, entropy),
             "normalized_entropy": jnp.where(unused, nan, normalized)}
+
+
+@struct.dataclass
+class Routing:
+    """Routing weights of every site, returned by `model(ids, return_routing=True)`.
+
+    weights      [L, 2, N_pad, B, T] float32: (layer, site 0 attention / 1 MLP, source slot);
+                 zero on slots a site does not see.
+    final        [N_pad, B, T] float32 or None: the final site (block, full).
+    site_sources [L][2] ints (static): sources each site sees, 0 for an unused site;
+                 `num_sources` is the same as an array.
+    final_sources int (static).
+    has_null, has_live (static): the padded layout, see routing.py.
+    """
+    weights: jax.Array
+    final: jax.Array | None
+    site_sources: tuple = struct.field(pytree_node=False)
+    final_sources: int = struct.field(pytree_node=False)
+    has_null: bool = struct.field(pytree_node=False)
+    has_live: bool = struct.field(pytree_node=False)
+
+    @property
+    def num_sources(self) -> np.ndarray:
+        return np.asarray(self.site_sources, dtype=np.int32).reshape(-1, 2)
+
+    def statistics(self) -> dict[str, jax.Array]:
+        """max_weight, entropy, normalized_entropy, each [L, 2] (and final_* scalars)."""
+        stats = weight_statistics(self.weights, self.num_sources)
+        if self.final is not None:
+            for k, v in weight_statistics(self.final, self.final_sources).items():
+                stats["final_" + k] = v
+        return stats
+
+    def site_weights(self, layer: int, site: int) -> jax.Array:
+        """Compact [N, B, T] weights of one site in source order (null, committed..., live)."""
+        return self._compact(self.weights[layer, site], int(self.num_sources[layer, site]))
+
+    def final_weights(self) -> jax.Array:
+        return self._compact(self.final, self.final_sources)
+
+    def _compact(self, padded: jax.Array, count: int) -> jax.Array:
+        if count == 0:
+            return padded[:0]
+        if self.has_live:  # live is the last padded slot, the committed ones precede it
+            return jnp.concatenate([padded[:count - 1], padded[-1:]])
+        return padded[:count]
+
+    def calls(self) -> list[jax.Array]:
+        """Every used site's compact weights in call order (attention, MLP per layer, final)."""
+        out = [self.site_weights(l, s) for l in range(self.num_sources.shape[0])
+               for s in (0, 1) if self.num_sources[l, s] > 0]
+        if self.final is not None:
+            out.append(self.final_weights())
+        return out

@@ -1,4 +1,4 @@
-"""Static source-buffer geometry of each residual variant (SPEC.md section 3).
+"""Static source-buffer geometry of each residual variant (docs/spec.md sections 3 and 7).
 
 Everything here is plain numpy computed from the config, so the scanned layer body can look up
 its own row by layer index and the lean backward pass knows which slots each layer wrote.
@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from delta_jax.config import ModelConfig
+from delta_jax.model.protocol import ScheduleRow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,30 +35,38 @@ class Schedule:
     def final_sources(self) -> int:
         return self.final_visible + 1 if self.has_live else 0
 
+    def rows(self) -> ScheduleRow:
+        """The per-layer columns the layers read, [L] each."""
+        return ScheduleRow(first_write=self.first_write, attn_visible=self.attn_visible,
+                           boundary=self.boundary)
+
 
 def schedule(cfg: ModelConfig) -> Schedule:
     num_layers, lpb = cfg.num_layers, cfg.layers_per_block
     layer = np.arange(num_layers)
     boundary = layer % lpb == 0
     committed_before = np.concatenate([[0], np.cumsum(boundary)[:-1]]).astype(np.int32)
-    zeros = np.zeros(num_layers, np.int32)
+    common = dict(boundary=boundary, embedding_in_slot0=False)
     if cfg.residual == "baseline":
-        return Schedule(0, zeros, zeros, zeros, boundary, 0, False, False)
+        zeros = np.zeros(num_layers, np.int32)
+        return Schedule(num_slots=0, first_write=zeros, attn_visible=zeros, mlp_visible=zeros,
+                        final_visible=0, has_live=False, **common)
     if cfg.residual == "full":
         # Every sublayer commits its input state: slots 2l (attn) and 2l+1 (MLP).
-        return Schedule(2 * num_layers, 2 * layer, 2 * layer, 2 * layer + 1, boundary,
-                        2 * num_layers, False, True)
+        return Schedule(num_slots=2 * num_layers, first_write=2 * layer,
+                        attn_visible=2 * layer, mlp_visible=2 * layer + 1,
+                        final_visible=2 * num_layers, has_live=True, **common)
     if cfg.residual == "delta":
         # Slot 0 the embedding, then a_l at 2l+1 and m_l at 2l+2.
-        attn_visible = np.where(layer == 0, 0, 2 * layer + 1)
-        return Schedule(2 * num_layers + 1, 2 * layer + 1, attn_visible, 2 * layer + 2,
-                        boundary, 0, True, False)
-    total = int(boundary.sum())
-    after = committed_before + boundary
-    if cfg.residual == "block":
-        return Schedule(total, committed_before, committed_before, after, boundary, total,
-                        False, True)
-    if cfg.residual == "delta_block":
-        return Schedule(total, committed_before, committed_before, after, boundary, 0,
-                        False, False)
+        return Schedule(num_slots=2 * num_layers + 1, first_write=2 * layer + 1,
+                        attn_visible=np.where(layer == 0, 0, 2 * layer + 1),
+                        mlp_visible=2 * layer + 2, final_visible=0, has_live=False,
+                        boundary=boundary, embedding_in_slot0=True)
+    if cfg.residual in ("block", "delta_block"):
+        # One slot per block, committed at its first layer.
+        total = int(boundary.sum())
+        block = cfg.residual == "block"
+        return Schedule(num_slots=total, first_write=committed_before,
+                        attn_visible=committed_before, mlp_visible=committed_before + boundary,
+                        final_visible=total if block else 0, has_live=block, **common)
     raise ValueError(f"unknown residual variant {cfg.residual!r}")

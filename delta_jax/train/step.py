@@ -111,7 +111,8 @@ def make_routing_probe(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh
     routing gates their values: "gate" [L,2], "final_gate" [] (how far each site has moved from
     its base toward the routed input; all zero right after a preserving conversion)."""
     def probe(params: dict, input_ids: jax.Array) -> dict:
-        _, routing = nnx.merge(graphdef, nnx.State(params))(input_ids, return_routing=True)
+        routing = nnx.merge(graphdef, nnx.State(params)).forward(input_ids,
+                                                                return_routing=True).routing
         stats = routing.statistics()
         stats["mean_weights"] = [w.mean(axis=(1, 2)) for w in routing.calls()]
         layers = params["layers"]

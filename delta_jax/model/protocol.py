@@ -1,0 +1,145 @@
+"""The types that cross the model's module boundaries (docs/spec.md section 7).
+
+Conventions: B batch, T sequence, D hidden, S buffer slots, L layers, hd head dim, N_pad the
+padded number of sources of a site ([null?] + S slots + [live?], routing.py).
+
+A decoder layer reads a `Carry` (its `TokenState` and the read-only `SourceBuffer`), its
+`ScheduleRow` and a `LayerContext`, and returns a `LayerOutput`: the next `TokenState` and the
+`Write`s that the driver commits to the buffer. All of them are pytrees, so the drivers scan,
+differentiate and stack them as they are.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from delta_jax.model.layers import LayerCache, inverse_rms
+from delta_jax.sharding import constrain
+
+
+@struct.dataclass
+class TokenState:
+    """What a layer hands the next one besides the source buffer.
+
+    h      [B,T,D]: the residual stream (baseline, delta, delta_block), the partial block sum
+           (block) or the last sublayer output (full);
+    stream [B,T,D] or None: only with gate_base="stream" (block, full), the plain residual
+           stream summed in the baseline's order, so that a zero gate reproduces it bit for bit.
+    """
+    h: jax.Array
+    stream: jax.Array | None = None
+
+    def constrained(self) -> TokenState:
+        axes = ("batch", "seq", "act_embed")
+        return TokenState(constrain(self.h, axes),
+                          None if self.stream is None else constrain(self.stream, axes))
+
+
+@struct.dataclass
+class Write:
+    """A source a layer commits to the buffer.
+
+    value [B,T,D], inv_rms [B,T] float32 (its rsqrt(mean(value^2) + eps), computed once);
+    slot: the buffer slot (an int, static or traced); when: a traced bool for writes that only
+    happen at block boundaries, None for writes that always happen.
+    """
+    value: jax.Array
+    inv_rms: jax.Array
+    slot: Any
+    when: Any = None
+
+    @classmethod
+    def of(cls, value: jax.Array, slot, eps: float, *, when=None, dtype=None) -> Write:
+        value = value.astype(dtype or value.dtype)
+        return cls(value, inverse_rms(value, eps), slot, when)
+
+
+@struct.dataclass
+class SourceBuffer:
+    """The committed sources: values [S,B,T,D] and their inverse RMS [S,B,T] float32.
+
+    Every slot is written once, in order, into a buffer that starts as zeros, so an unwritten
+    slot holds zeros (the lean backward pass relies on it, drivers.py).
+    """
+    values: jax.Array
+    inv_rms: jax.Array
+
+    @classmethod
+    def zeros(cls, num_slots: int, batch: int, length: int, hidden: int, dtype) -> SourceBuffer:
+        values = jnp.zeros((num_slots, batch, length, hidden), dtype)
+        return cls(constrain(values, ("sources", "batch", "seq", "act_embed")),
+                   jnp.zeros((num_slots, batch, length), jnp.float32))
+
+    def slot(self, index) -> tuple[jax.Array, jax.Array]:
+        """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T])."""
+        return (jax.lax.dynamic_index_in_dim(self.values, index, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False))
+
+    def commit(self, writes: Sequence[Write]) -> SourceBuffer:
+        """The buffer with `writes` applied in order (in place inside a scan)."""
+        values, inv_rms = self.values, self.inv_rms
+        for write in writes:
+            value, rinv = write.value.astype(values.dtype), write.inv_rms
+            if write.when is not None:  # a write that does not happen keeps the slot's zeros
+                value = jnp.where(write.when, value, jax.lax.dynamic_index_in_dim(
+                    values, write.slot, keepdims=False))
+                rinv = jnp.where(write.when, rinv, jax.lax.dynamic_index_in_dim(
+                    inv_rms, write.slot, keepdims=False))
+            values = jax.lax.dynamic_update_index_in_dim(values, value, write.slot, 0)
+            inv_rms = jax.lax.dynamic_update_index_in_dim(inv_rms, rinv, write.slot, 0)
+        return SourceBuffer(values, inv_rms)
+
+
+@struct.dataclass
+class Carry:
+    """What the layer loop carries: the per-token state and the source buffer."""
+    state: TokenState
+    buffer: SourceBuffer
+
+
+@struct.dataclass
+class ScheduleRow:
+    """A layer's entries of the static schedule (schedule.py): [L] numpy columns for the whole
+    stack, or one layer's scalars (traced inside a scan).
+
+    first_write:  the first slot the layer writes (slots from it on are zero on entry);
+    attn_visible: buffer slots its attention site sees (its MLP site sees first_write);
+    boundary:     whether the layer starts a block.
+    """
+    first_write: Any
+    attn_visible: Any
+    boundary: Any
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.first_write)
+
+    def at(self, index) -> ScheduleRow:
+        """Layer `index`'s row: static (numpy scalars) for an int, traced for a traced index."""
+        if isinstance(index, (int, np.integer)):
+            return jax.tree.map(lambda column: column[index], self)
+        return jax.tree.map(lambda column: jnp.asarray(column)[index], self)
+
+
+@struct.dataclass
+class LayerContext:
+    """What every layer reads besides the carry: the RoPE tables (cos, sin), each [B,T,hd]
+    float32, and this layer's decoding cache (k, v [B,C,K,hd]) or None."""
+    rope: tuple[jax.Array, jax.Array]
+    cache: LayerCache | None = None
+
+
+@struct.dataclass
+class LayerOutput:
+    """What a layer returns: its new state, the writes for the driver to commit (the layer
+    never writes the buffer itself), the (attention-site, MLP-site) routing weights, each
+    [N_pad,B,T] float32 (None for the baseline), and the updated decoding cache or None."""
+    state: TokenState
+    writes: tuple[Write, ...] = ()
+    weights: tuple[jax.Array, jax.Array] | None = None
+    cache: LayerCache | None = None
