@@ -1,7 +1,7 @@
 """What the routing learned: `python -m delta_jax.analyze --model PATH [...] --data ...`.
 
 For every routing site (attention and MLP site of each layer, and the final site of block/full)
-over the tokens of the data: mean max weight, entropy and normalised entropy (SPEC.md section
+over the tokens of the data: mean max weight, entropy and normalised entropy (docs/spec.md section
 5), and the mean weight of each source. Writes routing.json and two kinds of PNG figure to
 --out: max_weight.png (mean max weight versus depth, one panel per model, with 1/N, the value of
 uniform routing, dashed) and heatmap_<label>.png (sources x sites, mean weights). Prints a table.
@@ -10,7 +10,7 @@ Source names, in the order a site sees them: "null" (a learned null source, if a
   delta, full         emb, a0, m0, a1, m1, ...   (embedding, attention / MLP output of layer l)
   block, delta_block  emb, b0, b1, ...           (block k: its partial sum in block, its delta
                                                   in delta_block, telescoped under
-                                                  block_sources="reference": SPEC.md section 3)
+                                                  block_sources="reference": docs/spec.md section 3)
 The last source of a block/full site is the live state (the current partial sum / output).
 
 Conventions: L layers, N_pad padded sources per site (see Routing), W windows of T tokens.

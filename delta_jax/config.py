@@ -34,7 +34,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e4
     tie_word_embeddings: bool = True
-    # Residual variant (SPEC.md section 3).
+    # Residual variant (docs/spec.md section 3).
     residual: str = "delta_block"
     num_blocks: int = 4
     block_sources: str = "reference"
@@ -124,7 +124,7 @@ class ModelConfig:
         """The fields that define the function and the parameter shapes."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
 
-    # Presets (SPEC.md section 5) ------------------------------------------------------------
+    # Presets (docs/spec.md section 5) -------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> "ModelConfig":
         """The golden files' shape: fast enough for tests on two CPU cores."""

@@ -1,4 +1,4 @@
-"""An independent, literal transcription of SPEC.md section 3 for the tests.
+"""An independent, literal transcription of docs/spec.md section 3 for the tests.
 
 Python lists of sources, every site stacks its sources and normalises them explicitly (no
 buffer, no inverse-RMS cache, no schedule): what the scanned model must agree with on configs the

@@ -22,7 +22,7 @@ def tiny(**overrides):
 
 
 def expected_site_sources(residual: str, num_layers: int, num_blocks: int):
-    """SPEC.md section 3, counted by hand: [(attn, mlp) per layer], final."""
+    """docs/spec.md section 3, counted by hand: [(attn, mlp) per layer], final."""
     lpb = max(1, math.ceil(num_layers / num_blocks))
     blocks_before = lambda l: sum(1 for k in range(l) if k % lpb == 0)
     if residual == "full":

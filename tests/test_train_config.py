@@ -10,7 +10,7 @@ from delta_jax.train.__main__ import main
 from delta_jax.train.config import RunConfig, dump_config, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-# SPEC.md section 5: parameter counts of the published shapes (the baseline variant).
+# docs/spec.md section 5: parameter counts of the published shapes (the baseline variant).
 PAPER_PARAMS = {"220m": 220.5e6, "533m": 533.1e6, "1044m": 1043.9e6, "qwen3_0_6b": 596e6,
                 "8b": 7.57e9}
 

@@ -53,7 +53,7 @@ def plan_conversion(hf_config: Mapping[str, Any], *, source: str, preserve_funct
     learned gate a starting at zero (routing_gate=True), its input being (1-a)*base + a*routed:
     - delta, delta_block: base = h, routed = h + mix (the reference's 'learnable_alpha'). Zero
       queries alone keep delta only up to the eps of the sublayer's RMSNorm and change
-      delta_block outright (its sources omit the current block, SPEC.md section 4).
+      delta_block outright (its sources omit the current block, docs/spec.md section 4).
     - block, full: base = the plain residual stream (gate_base='stream'), which then travels in
       the carry, and the final site is gated too. The reference's gate blends with the live
       state (the partial block sum, the last sublayer output), which is not the Qwen3 stream,
