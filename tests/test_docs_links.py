@@ -59,3 +59,13 @@ def test_cited_docs_exist():
                 assert n in spec_sections, (
                     f"{source.relative_to(ROOT)} cites docs/spec.md section {n}, which does "
                     f"not exist (sections: {sorted(spec_sections, key=int)})")
+
+
+def test_no_citation_leaves_the_repository():
+    """The repository stands alone: nothing cites the spec or goldens outside it."""
+    for source in CITING:
+        if source == Path(__file__).resolve():
+            continue
+        text = source.read_text(errors="replace")
+        for outside in ("SPEC.md", "../shared"):
+            assert outside not in text, f"{source.relative_to(ROOT)} cites {outside}"

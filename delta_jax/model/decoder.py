@@ -81,7 +81,7 @@ def baseline_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
 
 def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
                       ctx: LayerContext) -> LayerOutput:
-    """block and full (AttnRes, docs/spec.md sections 2-3): each sublayer reads the routed mix
+    """block and full (AttnRes, docs/spec.md sections 2 and 3): each sublayer reads the routed mix
     of the committed sources and the live state instead of a residual stream.
 
     The one difference: `full` commits every sublayer's input (its layer input at slot 2l, the
