@@ -19,7 +19,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from delta_jax.checkpoint import restore_model, restore_model_config
+from delta_jax.checkpoint import load_checkpoint, load_checkpoint_config
 from delta_jax.config import RUNTIME_FIELDS
 from delta_jax.data.pipeline import build_batch_iterator, build_eval_iterator, to_global_array
 from delta_jax.model.causal_lm import count_params
@@ -31,8 +31,8 @@ from delta_jax.train.config import MeshConfig, RunConfig, dump_config
 from delta_jax.train.faults import (NonFiniteStop, Preempted, PreflightError, StopSignals,
                                     check_writable, state_bytes)
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import (TrainState, abstract_model, abstract_state, init_state,
-                                   state_from_params, state_specs, to_shardings)
+from delta_jax.train.state import (TrainState, abstract_graph_and_params, abstract_state,
+                                   init_state, state_from_params, state_specs, to_shardings)
 from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
 
 # ModelConfig fields that only shape a fresh initialisation: a checkpoint may differ in them.
@@ -111,7 +111,7 @@ class Trainer:
         self.model_cfg = cfg.model
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
         self.lrs = schedules(cfg.optimizer, cfg.train.steps)
-        self.graphdef, _ = abstract_model(self.model_cfg)
+        self.graphdef, _ = abstract_graph_and_params(self.model_cfg)
         self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         # Preflight: fail here, with the path at fault, rather than at the first save.
@@ -156,9 +156,9 @@ class Trainer:
                 return resumed
         if cfg.train.init_from:
             where = Path(cfg.train.init_from)
-            _check_architecture(restore_model_config(where), self.model_cfg, where)
+            _check_architecture(load_checkpoint_config(where), self.model_cfg, where)
             runtime = {k: getattr(self.model_cfg, k) for k in RUNTIME_FIELDS}
-            model = restore_model(where, mesh=self.mesh, **runtime)
+            model = load_checkpoint(where, mesh=self.mesh, **runtime)
             params = nnx.state(model, nnx.Param).to_pure_dict()
             return (state_from_params(params, self.tx, self.shardings),
                     f"initialised from {where}")
