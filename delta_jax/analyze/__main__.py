@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from delta_jax.analyze import format_table, plot_heatmap, plot_max_weight, routing_statistics
+from delta_jax.cli import setup_logging
 from delta_jax.config import DTYPES
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import read_stream
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
+    setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

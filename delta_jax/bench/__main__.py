@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from delta_jax.bench import bench_one, format_table
+from delta_jax.cli import setup_logging
 from delta_jax.config import LAYER_DRIVERS, RESIDUALS
 from delta_jax.train.config import load_config
 
@@ -35,6 +36,7 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    setup_logging()
     parser = argparse.ArgumentParser(prog="python -m delta_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a run YAML (configs/bench_cpu.yaml)")

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from delta_jax.cli import setup_logging
 from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
 from delta_jax.convert import TOKENIZER_DIR, hf_to_orbax, orbax_to_hf
 from delta_jax.hf.keymap import ConversionError
@@ -76,6 +77,7 @@ def _orbax_to_hf(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     args = _parser().parse_args(argv)
     try:
         {"hf-to-orbax": _hf_to_orbax, "orbax-to-hf": _orbax_to_hf}[args.command](args)

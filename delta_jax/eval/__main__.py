@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from delta_jax.cli import add_model_arguments
+from delta_jax.cli import add_model_arguments, setup_logging
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import perplexity, read_stream
 from delta_jax.loading import load_model
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+    setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

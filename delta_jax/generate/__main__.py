@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from delta_jax.cli import add_model_arguments
+from delta_jax.cli import add_model_arguments, setup_logging
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.generate import Sampling, decode_memory, generate
 from delta_jax.loading import load_model
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+    setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -7,6 +7,7 @@ resumed run repeats the uninterrupted one exactly.
 """
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -34,6 +35,8 @@ from delta_jax.train.optimizer import make_optimizer, schedules
 from delta_jax.train.state import (TrainState, abstract_graph_and_params, abstract_state,
                                    init_state, state_from_params, state_specs, to_shardings)
 from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
+
+logger = logging.getLogger(__name__)
 
 # ModelConfig fields that only shape a fresh initialisation: a checkpoint may differ in them.
 INIT_ONLY_FIELDS = ("router_init", "init_std")
@@ -196,9 +199,9 @@ class Trainer:
         moved = self.checkpointer.quarantine(step)
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         if self.is_main:
-            print(f"damaged checkpoint {self.checkpointer.directory / str(step)} "
-                  f"({type(error).__name__}: {first_line}); moved to {moved}, trying the "
-                  "previous one", flush=True)
+            logger.warning("damaged checkpoint %s (%s: %s); moved to %s, trying the previous one",
+                           self.checkpointer.directory / str(step), type(error).__name__,
+                           first_line, moved)
         return None
 
     # Evaluation -------------------------------------------------------------------------
@@ -232,7 +235,7 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(dump_config(cfg))
-            print(f"config ({self.out / 'config.yaml'}):\n{dump_config(cfg)}", flush=True)
+            logger.info("config (%s):\n%s", self.out / "config.yaml", dump_config(cfg))
         with jax.set_mesh(self.mesh):
             state, origin = self.initial_state()
             start = int(jax.device_get(state.step))
@@ -247,19 +250,17 @@ class Trainer:
                 self.checkpointer.wait()
                 self.checkpointer.close()
         summary.update(self._finish(writer.path, summary["last_saved"]))
-        if self.is_main:
-            print(summary_table(summary), flush=True)
         return summary
 
     def _announce(self, origin: str, start: int) -> None:
         if not self.is_main:
             return
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
-        print(f"{jax.device_count()} {jax.devices()[0].platform} device(s) in "
-              f"{jax.process_count()} process(es); mesh {mesh}", flush=True)
-        print(f"model: {self.model_cfg.residual}, {count_params(self.model_cfg):,} parameters, "
-              f"{self.flops_per_token / 1e9:.3f} GFLOPs per training token; {origin} "
-              f"(step {start})", flush=True)
+        logger.info("%d %s device(s) in %d process(es); mesh %s", jax.device_count(),
+                    jax.devices()[0].platform, jax.process_count(), mesh)
+        logger.info("model: %s, %s parameters, %.3f GFLOPs per training token; %s (step %d)",
+                    self.model_cfg.residual, f"{count_params(self.model_cfg):,}",
+                    self.flops_per_token / 1e9, origin, start)
 
     def _loop(self, state: TrainState, start: int, writer, signals: StopSignals
               ) -> dict[str, Any]:
@@ -269,7 +270,7 @@ class Trainer:
         compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
         compile_s = time.perf_counter() - began
         if self.is_main:
-            print(f"train step compiled in {compile_s:.1f} s", flush=True)
+            logger.info("train step compiled in %.1f s", compile_s)
         if start == 0:
             writer.write(0, t.steps, self.evaluate(state.params))
         window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
@@ -342,9 +343,9 @@ class Trainer:
         limit = self.cfg.train.max_nonfinite_steps
         if self.is_main:
             loss, norm = jax.device_get((step_metrics["loss"], step_metrics["grad_norm"]))
-            print(f"step {step}: non-finite loss {float(loss)} or gradients (norm "
-                  f"{float(norm)}); update skipped ({self.skipped_in_a_row} in a row of at most "
-                  f"{limit}, {self.skipped_total} in all)", flush=True)
+            logger.warning("step %d: non-finite loss %s or gradients (norm %s); update skipped "
+                           "(%d in a row of at most %d, %d in all)", step, float(loss),
+                           float(norm), self.skipped_in_a_row, limit, self.skipped_total)
         if self.skipped_in_a_row >= limit:
             raise NonFiniteStop(
                 f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or "

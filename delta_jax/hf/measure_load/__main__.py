@@ -15,11 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from delta_jax.cli import setup_logging
 from delta_jax.config import DTYPES, PRESETS, ModelConfig
 from delta_jax.hf.measure_load import load_and_measure, measure
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     parser = argparse.ArgumentParser(prog="python -m delta_jax.hf.measure_load",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
