@@ -41,7 +41,7 @@ def manager(directory: str | Path, **options: Any) -> ocp.CheckpointManager:
                                  options=ocp.CheckpointManagerOptions(**options))
 
 
-def save_model(model: CausalLM, directory: str | Path, step: int = 0) -> Path:
+def save_checkpoint(model: CausalLM, directory: str | Path, step: int = 0) -> Path:
     """Write a model-only checkpoint (params + model_config) at `step`; blocks until done."""
     params = nnx.state(model, nnx.Param).to_pure_dict()
     with manager(directory, enable_async_checkpointing=False) as mgr:
@@ -52,7 +52,7 @@ def save_model(model: CausalLM, directory: str | Path, step: int = 0) -> Path:
     return Path(directory) / str(step)
 
 
-def restore_model_config(directory: str | Path, step: int | None = None) -> ModelConfig:
+def load_checkpoint_config(directory: str | Path, step: int | None = None) -> ModelConfig:
     with manager(directory, read_only=True) as mgr:
         step = mgr.latest_step() if step is None else step
         if step is None:
@@ -62,14 +62,14 @@ def restore_model_config(directory: str | Path, step: int | None = None) -> Mode
     return config_from_json(fields, source=f"{directory}/{step}/{MODEL_CONFIG}")
 
 
-def restore_model(directory: str | Path, step: int | None = None, *, mesh=None,
-                  **config_overrides: Any) -> CausalLM:
+def load_checkpoint(directory: str | Path, step: int | None = None, *, mesh=None,
+                    **config_overrides: Any) -> CausalLM:
     """Load params + model_config of `step` (default: the latest) into a CausalLM.
 
     With a mesh, every parameter is restored directly onto its sharding. Overrides may change
     only runtime fields (dtype, remat, layer_driver, ...), not the architecture.
     """
-    cfg = restore_model_config(directory, step)
+    cfg = load_checkpoint_config(directory, step)
     cfg = cfg.replace(**config_overrides) if config_overrides else cfg
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)

@@ -1,6 +1,8 @@
-"""The model loader of the eval, analyze and generate tools: a folder -> (model, tokenizer).
+"""The one front door for reading a model: `load_model(path)` -> (model, tokenizer).
 
-PATH may be
+It dispatches on what the folder holds to the reader of that format, which can also be called
+directly: delta_jax.checkpoint.load_checkpoint (Orbax) and delta_jax.hf.load.load_pretrained
+(Hugging Face safetensors). PATH may be
   - an Orbax model checkpoint directory (delta_jax.checkpoint layout: step directories holding
     `params` and `model_config`), or a trainer run folder keeping them under `PATH/checkpoints`;
   - a Hugging Face folder: config.json plus model.safetensors (or sharded model-*.safetensors).
@@ -10,17 +12,14 @@ None (the tools then take and print token ids).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
-from delta_jax.checkpoint import restore_model
-from delta_jax.config import DTYPES
+from delta_jax.checkpoint import load_checkpoint
 from delta_jax.data.prepare import METADATA
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.hf.load import CONFIG as HF_CONFIG
@@ -30,14 +29,6 @@ from delta_jax.model import CausalLM
 
 def _is_checkpoint_dir(path: Path) -> bool:
     return any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --step and --dtype of the CLIs that read a model through load_model."""
-    parser.add_argument("--model", required=True,
-                        help="Orbax checkpoint dir, training run folder or Hugging Face folder")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the checkpoint's)")
 
 
 def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | None = None,
@@ -62,7 +53,7 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
         if not _is_checkpoint_dir(directory):
             raise FileNotFoundError(f"{path}: neither a Hugging Face folder ({HF_CONFIG}) nor an "
                                     f"Orbax checkpoint directory (numbered step folders)")
-        model = restore_model(directory, step, **overrides)
+        model = load_checkpoint(directory, step, **overrides)
 
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = str(path)
@@ -87,10 +78,3 @@ def data_tokenizer(data: str) -> str | None:
         return json.loads(metadata.read_text())["tokenizer"]["spec"]
     return None
 
-
-def check_token_ids(ids: np.ndarray, vocab_size: int, *, where: str) -> None:
-    """Token ids must index the model's embedding; a tokenizer larger than it fails here."""
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary "
-                         f"[0, {vocab_size}) (a tokenizer that does not match the model?)")

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from delta_jax.data.tokenizers import Tokenizer
-from delta_jax.loading import check_token_ids
+from delta_jax.data.tokenizers import Tokenizer, check_token_ids
 from delta_jax.model import CausalLM
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.analyze import main, routing_statistics, source_names
-from delta_jax.checkpoint import save_model
+from delta_jax.analyze import routing_statistics, source_names
+from delta_jax.analyze.__main__ import main
+from delta_jax.checkpoint import save_checkpoint
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import read_stream
 
@@ -77,7 +78,7 @@ def test_baseline_has_nothing_to_analyze():
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("analyze")
     for residual in ("delta_block", "full", "baseline"):
-        save_model(init_model(tiny(residual), seed=0), root / residual)
+        save_checkpoint(init_model(tiny(residual), seed=0), root / residual)
     return root
 
 

@@ -1,7 +1,7 @@
 """The benchmark harness runs every variant and writes the promised fields."""
 import json
 
-from delta_jax.bench import main
+from delta_jax.bench.__main__ import main
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=3",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model, load_pretrained, save_pretrained
-from delta_jax.checkpoint import restore_model
-from delta_jax.convert import main
+from delta_jax.checkpoint import load_checkpoint
+from delta_jax.convert.__main__ import main
 
 ROOT = Path(__file__).parent.parent
 IDS = jnp.asarray(np.random.RandomState(2).randint(0, 128, (2, 7)))
@@ -45,7 +45,7 @@ def test_round_trip_with_a_preserving_conversion(plain, tmp_path, capsys, residu
     assert main(["hf-to-orbax", str(folder), str(orbax), "--residual", residual,
                  "--num-blocks", "2", "--preserve-function"]) == 0
     assert "loading qwen3" in capsys.readouterr().err  # the progress bar over tensors
-    model = restore_model(orbax)
+    model = load_checkpoint(orbax)
     assert (model.config.residual, model.config.routing_gate, model.config.gate_base) == (
         residual, True, gate_base)
     np.testing.assert_array_equal(np.asarray(model(IDS)), logits)

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from delta_jax import ModelConfig, init_model, load_pretrained, save_pretrained
-from delta_jax.convert import main
+from delta_jax.convert.__main__ import main
 from delta_jax.hf.keymap import ConversionError
 from delta_jax.hf.safetensors_io import read_header, read_tensor
 

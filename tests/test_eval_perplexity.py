@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.checkpoint import save_model
+from delta_jax.checkpoint import save_checkpoint
 from delta_jax.data.prepare import prepare
 from delta_jax.data.tokenizers import get_tokenizer
-from delta_jax.eval import main, perplexity, read_stream, window_starts
+from delta_jax.eval import perplexity, read_stream, window_starts
+from delta_jax.eval.__main__ import main
 
 TEXT = Path(__file__).parent / "data" / "udhr_article1.txt"
 BYTE = get_tokenizer("byte")
@@ -130,7 +131,7 @@ def test_tfds_dataset_through_the_pipeline(tmp_path):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, model):
     path = tmp_path_factory.mktemp("eval") / "ckpt"
-    save_model(model, path)
+    save_checkpoint(model, path)
     return path
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.checkpoint import save_model
+from delta_jax.checkpoint import save_checkpoint
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.generate import generate
 from delta_jax.scoring import encode_pair, loglikelihood, loglikelihood_text
@@ -94,7 +94,7 @@ def adapter(model, tmp_path_factory):
     from delta_jax.lm_eval_adapter import DeltaJaxLM
 
     path = tmp_path_factory.mktemp("lm_eval") / "ckpt"
-    save_model(model, path)
+    save_checkpoint(model, path)
     return DeltaJaxLM(pretrained=str(path), tokenizer="byte", batch_size=4, max_length=64)
 
 

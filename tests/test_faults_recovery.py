@@ -124,7 +124,7 @@ def test_kill_9_resumes_from_the_newest_complete_checkpoint(straight, data_dir, 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate", "delete_item", "bad_metadata"])
 def test_a_damaged_newest_checkpoint_falls_back(straight, data_dir, root, damage,  # noqa: F811
-                                                capsys):
+                                                caplog):
     out = root / f"damaged_{damage}"
     shutil.copytree(straight, out)
     newest = out / "checkpoints" / str(STEPS)
@@ -143,7 +143,7 @@ def test_a_damaged_newest_checkpoint_falls_back(straight, data_dir, root, damage
     trainer.checkpointer.close()
     assert origin == f"resumed from {out / 'checkpoints' / '3'}"
     assert int(state.step) == 3
-    [line] = [l for l in capsys.readouterr().out.splitlines() if "damaged checkpoint" in l]
+    [line] = [r.getMessage() for r in caplog.records if "damaged checkpoint" in r.getMessage()]
     assert str(newest) in line and (out / "checkpoints" / f"{STEPS}.corrupt").is_dir()
     if damage == "truncate":  # training on from step 3 rewrites step 6 as before
         run(cfg)

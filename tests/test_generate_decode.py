@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.checkpoint import save_model
-from delta_jax.generate import Sampling, decode_memory, generate, left_pad, main, sample
+from delta_jax.checkpoint import save_checkpoint
+from delta_jax.generate import Sampling, decode_memory, generate, left_pad, sample
+from delta_jax.generate.__main__ import main
 from delta_jax.loading import load_model
 
 VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
@@ -149,7 +150,7 @@ def test_decode_memory_with_routing():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "delta_block"
-    save_model(init_model(tiny("delta_block", vocab_size=300)), path)
+    save_checkpoint(init_model(tiny("delta_block", vocab_size=300)), path)
     return path
 
 
@@ -195,7 +196,7 @@ def test_cli_unknown_model_exits_2(tmp_path, capsys):
 
 def test_load_model_reads_a_run_folder_and_its_tokenizer(tmp_path):
     model = init_model(tiny("delta", vocab_size=300))
-    save_model(model, tmp_path / "run" / "checkpoints", step=7)
+    save_checkpoint(model, tmp_path / "run" / "checkpoints", step=7)
     (tmp_path / "run" / "config.yaml").write_text("data:\n  path: embedded\n")
     loaded, tokenizer = load_model(tmp_path / "run")
     assert tokenizer.name == "byte" and loaded.config == model.config

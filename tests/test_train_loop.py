@@ -17,7 +17,7 @@ import yaml
 from flax import nnx
 
 from delta_jax import ModelConfig, init_model, load_pretrained, save_pretrained
-from delta_jax.checkpoint import restore_model, save_model
+from delta_jax.checkpoint import load_checkpoint, save_checkpoint
 from delta_jax.data.prepare import prepare
 from delta_jax.sharding import make_mesh
 from delta_jax.train.checkpoints import Checkpointer
@@ -70,7 +70,7 @@ def losses(output_dir) -> dict[int, float]:
 
 
 def params_at(output_dir, step):
-    model = restore_model(Path(output_dir) / "checkpoints", step)
+    model = load_checkpoint(Path(output_dir) / "checkpoints", step)
     return jax.device_get(nnx.state(model, nnx.Param).to_pure_dict())
 
 
@@ -170,7 +170,7 @@ def test_resume_refuses_a_different_data_order(interrupted, data_dir):
 def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):
     cfg_model = ModelConfig(**MODEL)
     saved = init_model(cfg_model, seed=7)
-    save_model(saved, tmp_path / "pretrained")
+    save_checkpoint(saved, tmp_path / "pretrained")
     # lr is 0 at step 0 (warmup), so one step leaves the parameters as they were loaded.
     out = tmp_path / "finetune"
     run(config(data_dir, out, f"train.init_from={tmp_path / 'pretrained'}", "train.steps=1",
@@ -188,10 +188,10 @@ def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, 
     """Qwen3 -> block (gated against the residual stream) -> trainer: the first loss is the
     plain model's, bit for bit; then the gates open and the two runs part."""
     plain = init_model(ModelConfig(**{**MODEL, "residual": "baseline"}), seed=7)
-    save_model(plain, tmp_path / "plain")
+    save_checkpoint(plain, tmp_path / "plain")
     converted = load_pretrained(save_pretrained(plain, tmp_path / "qwen3"), residual="block",
                                 num_blocks=2, preserve_function=True)
-    save_model(converted, tmp_path / "converted")
+    save_checkpoint(converted, tmp_path / "converted")
     steps = ["train.steps=3", "checkpoint.every=3"]
     run(config(data_dir, tmp_path / "base", f"train.init_from={tmp_path / 'plain'}",
                "model.residual=baseline", *steps))

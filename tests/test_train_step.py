@@ -11,7 +11,8 @@ from delta_jax import ModelConfig
 from delta_jax.sharding import batch_sharding, make_mesh
 from delta_jax.train.config import OptimizerConfig
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import abstract_model, init_state, state_specs, to_shardings
+from delta_jax.train.state import (abstract_graph_and_params, init_state, state_specs,
+                                   to_shardings)
 from delta_jax.train.step import make_train_step
 
 CFG = ModelConfig.tiny(residual="delta_block")  # vocab 128, d 32, 4 layers, H 4, KV 2, hd 8
@@ -65,7 +66,7 @@ def train(mesh, cfg=CFG, grad_accum=1, batches=None):
     """(losses [STEPS], final state, initial state, state shardings, grad norms [STEPS])."""
     tx = make_optimizer(OPT, total_steps=10)
     shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
-    graphdef, _ = abstract_model(cfg)
+    graphdef, _ = abstract_graph_and_params(cfg)
     with jax.set_mesh(mesh):
         state = init_state(cfg, tx, shardings, seed=0)
         step = make_train_step(graphdef, tx, schedules(OPT, 10), grad_accum, shardings, mesh)

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+from delta_jax.cli import setup_logging
+
 
 def _prepare(args: argparse.Namespace) -> None:
     from delta_jax.data.prepare import prepare
@@ -39,6 +41,7 @@ def _corpus(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     parser = argparse.ArgumentParser(prog="python -m delta_jax.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 

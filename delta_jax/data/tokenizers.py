@@ -166,3 +166,11 @@ def get_tokenizer(spec: str) -> Tokenizer:
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype holding every id below `vocab_size` (how shards store them)."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, *, where: str) -> None:
+    """Token ids must index the model's embedding; a tokenizer larger than it fails here."""
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{where}: token id {int(bad[0])} is outside the model's vocabulary "
+                         f"[0, {vocab_size}) (a tokenizer that does not match the model?)")

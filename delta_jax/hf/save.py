@@ -29,7 +29,7 @@ from delta_jax.hf.safetensors_io import TensorInfo, write_file
 from delta_jax.hf.state_dict import abstract_model, iter_hf_tensors
 from delta_jax.model.causal_lm import CausalLM
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
 
@@ -131,7 +131,7 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
     cfg = model.config
     _check_mapped(model)
     if cfg.carries_stream:
-        log.warning("%s: gate_base='stream' is delta_jax's own gate (attnres_gate_type %r): "
+        logger.warning("%s: gate_base='stream' is delta_jax's own gate (attnres_gate_type %r): "
                     "delta_jax.load_pretrained reads the folder; the reference code would run "
                     "it without its gates", path, gate_type(cfg))
     dtype = dtype_name(dtype or cfg.param_dtype)

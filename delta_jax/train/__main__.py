@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from delta_jax.cli import setup_logging
 from delta_jax.train.config import DistributedConfig, load_config
 
 
@@ -23,6 +24,7 @@ def initialize_distributed(cfg: DistributedConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    setup_logging()
     parser = argparse.ArgumentParser(
         prog="python -m delta_jax.train",
         description="Pretrain or fine-tune a Delta Attention Residuals model on a device mesh.",
@@ -43,12 +45,14 @@ def main(argv: list[str] | None = None) -> None:
         print(dump_config(cfg), end="")
         return
     initialize_distributed(cfg.distributed)
+    import jax
+
     from delta_jax.train import faults
-    from delta_jax.train.loop import run
+    from delta_jax.train.loop import run, summary_table
 
     # Exit codes: docs/recovery.md and delta_jax/train/faults.py.
     try:
-        run(cfg)
+        summary = run(cfg)
     except faults.PreflightError as e:
         sys.exit(f"error: {e}")
     except faults.Preempted as e:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     except faults.NonFiniteStop as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(faults.EXIT_NONFINITE)
+    if jax.process_index() == 0:
+        print(summary_table(summary), flush=True)
 
 
 if __name__ == "__main__":

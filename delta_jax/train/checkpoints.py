@@ -2,7 +2,7 @@
 
 Each step directory (under checkpoint.directory, by default <output_dir>/checkpoints; a gs://
 bucket works) holds the model items of that layout
-(`params`, `model_config`, so restore_model and the converter read a training checkpoint as a
+(`params`, `model_config`, so load_checkpoint and the converter read a training checkpoint as a
 model) plus
   opt_state  the optax state (StandardSave)
   run        {"step", "seed", "config": the whole RunConfig} (JsonSave)

@@ -11,6 +11,7 @@ Exit codes of `python -m delta_jax.train`:
 from __future__ import annotations
 
 import errno
+import logging
 import shutil
 import signal
 import threading
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 EXIT_NONFINITE = 3
 EXIT_PREEMPTED = 75
@@ -60,8 +63,8 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self.received = signum
-        print(f"{signal.Signals(signum).name} received: checkpointing after the current step",
-              flush=True)
+        logger.warning("%s received: checkpointing after the current step",
+                       signal.Signals(signum).name)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():

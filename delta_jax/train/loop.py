@@ -7,6 +7,7 @@ resumed run repeats the uninterrupted one exactly.
 """
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -19,7 +20,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from delta_jax.checkpoint import restore_model, restore_model_config
+from delta_jax.checkpoint import load_checkpoint, load_checkpoint_config
 from delta_jax.config import RUNTIME_FIELDS
 from delta_jax.data.pipeline import build_batch_iterator, build_eval_iterator, to_global_array
 from delta_jax.model.causal_lm import count_params
@@ -31,9 +32,11 @@ from delta_jax.train.config import MeshConfig, RunConfig, dump_config
 from delta_jax.train.faults import (NonFiniteStop, Preempted, PreflightError, StopSignals,
                                     check_writable, state_bytes)
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import (TrainState, abstract_model, abstract_state, init_state,
-                                   state_from_params, state_specs, to_shardings)
+from delta_jax.train.state import (TrainState, abstract_graph_and_params, abstract_state,
+                                   init_state, state_from_params, state_specs, to_shardings)
 from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
+
+logger = logging.getLogger(__name__)
 
 # ModelConfig fields that only shape a fresh initialisation: a checkpoint may differ in them.
 INIT_ONLY_FIELDS = ("router_init", "init_std")
@@ -111,7 +114,7 @@ class Trainer:
         self.model_cfg = cfg.model
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
         self.lrs = schedules(cfg.optimizer, cfg.train.steps)
-        self.graphdef, _ = abstract_model(self.model_cfg)
+        self.graphdef, _ = abstract_graph_and_params(self.model_cfg)
         self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         # Preflight: fail here, with the path at fault, rather than at the first save.
@@ -156,9 +159,9 @@ class Trainer:
                 return resumed
         if cfg.train.init_from:
             where = Path(cfg.train.init_from)
-            _check_architecture(restore_model_config(where), self.model_cfg, where)
+            _check_architecture(load_checkpoint_config(where), self.model_cfg, where)
             runtime = {k: getattr(self.model_cfg, k) for k in RUNTIME_FIELDS}
-            model = restore_model(where, mesh=self.mesh, **runtime)
+            model = load_checkpoint(where, mesh=self.mesh, **runtime)
             params = nnx.state(model, nnx.Param).to_pure_dict()
             return (state_from_params(params, self.tx, self.shardings),
                     f"initialised from {where}")
@@ -196,9 +199,9 @@ class Trainer:
         moved = self.checkpointer.quarantine(step)
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         if self.is_main:
-            print(f"damaged checkpoint {self.checkpointer.directory / str(step)} "
-                  f"({type(error).__name__}: {first_line}); moved to {moved}, trying the "
-                  "previous one", flush=True)
+            logger.warning("damaged checkpoint %s (%s: %s); moved to %s, trying the previous one",
+                           self.checkpointer.directory / str(step), type(error).__name__,
+                           first_line, moved)
         return None
 
     # Evaluation -------------------------------------------------------------------------
@@ -232,7 +235,7 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(dump_config(cfg))
-            print(f"config ({self.out / 'config.yaml'}):\n{dump_config(cfg)}", flush=True)
+            logger.info("config (%s):\n%s", self.out / "config.yaml", dump_config(cfg))
         with jax.set_mesh(self.mesh):
             state, origin = self.initial_state()
             start = int(jax.device_get(state.step))
@@ -247,19 +250,17 @@ class Trainer:
                 self.checkpointer.wait()
                 self.checkpointer.close()
         summary.update(self._finish(writer.path, summary["last_saved"]))
-        if self.is_main:
-            print(summary_table(summary), flush=True)
         return summary
 
     def _announce(self, origin: str, start: int) -> None:
         if not self.is_main:
             return
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
-        print(f"{jax.device_count()} {jax.devices()[0].platform} device(s) in "
-              f"{jax.process_count()} process(es); mesh {mesh}", flush=True)
-        print(f"model: {self.model_cfg.residual}, {count_params(self.model_cfg):,} parameters, "
-              f"{self.flops_per_token / 1e9:.3f} GFLOPs per training token; {origin} "
-              f"(step {start})", flush=True)
+        logger.info("%d %s device(s) in %d process(es); mesh %s", jax.device_count(),
+                    jax.devices()[0].platform, jax.process_count(), mesh)
+        logger.info("model: %s, %s parameters, %.3f GFLOPs per training token; %s (step %d)",
+                    self.model_cfg.residual, f"{count_params(self.model_cfg):,}",
+                    self.flops_per_token / 1e9, origin, start)
 
     def _loop(self, state: TrainState, start: int, writer, signals: StopSignals
               ) -> dict[str, Any]:
@@ -269,7 +270,7 @@ class Trainer:
         compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
         compile_s = time.perf_counter() - began
         if self.is_main:
-            print(f"train step compiled in {compile_s:.1f} s", flush=True)
+            logger.info("train step compiled in %.1f s", compile_s)
         if start == 0:
             writer.write(0, t.steps, self.evaluate(state.params))
         window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
@@ -342,9 +343,9 @@ class Trainer:
         limit = self.cfg.train.max_nonfinite_steps
         if self.is_main:
             loss, norm = jax.device_get((step_metrics["loss"], step_metrics["grad_norm"]))
-            print(f"step {step}: non-finite loss {float(loss)} or gradients (norm "
-                  f"{float(norm)}); update skipped ({self.skipped_in_a_row} in a row of at most "
-                  f"{limit}, {self.skipped_total} in all)", flush=True)
+            logger.warning("step %d: non-finite loss %s or gradients (norm %s); update skipped "
+                           "(%d in a row of at most %d, %d in all)", step, float(loss),
+                           float(norm), self.skipped_in_a_row, limit, self.skipped_total)
         if self.skipped_in_a_row >= limit:
             raise NonFiniteStop(
                 f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or "

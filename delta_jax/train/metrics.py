@@ -120,6 +120,7 @@ class MetricsWriter:
 
     def write(self, step: int, total: int, record: dict[str, Any]) -> None:
         record = _jsonable({"step": step, **record})
+        # stdout rather than the log: the progress lines are the run's output.
         print(progress_line(step, total, record), flush=True)
         if self.write_files:
             self._file.write(json.dumps(record) + "\n")

@@ -28,7 +28,7 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_graph_and_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract nnx.Param state) without allocating anything."""
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
     return nnx.split(abstract, nnx.Param)
@@ -36,12 +36,12 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
     """Pure dict of PartitionSpecs of the parameters."""
-    return state_partition_specs(abstract_model(cfg)[1], mesh).to_pure_dict()
+    return state_partition_specs(abstract_graph_and_params(cfg)[1], mesh).to_pure_dict()
 
 
 def state_specs(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
     """TrainState of PartitionSpecs."""
-    params = abstract_model(cfg)[1].to_pure_dict()
+    params = abstract_graph_and_params(cfg)[1].to_pure_dict()
     specs = param_specs(cfg, mesh)
     opt_state = jax.eval_shape(tx.init, params)
     opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, opt_state, specs,

@@ -1,26 +1,23 @@
-"""Measure peak host memory and time of load_pretrained on a random checkpoint of a preset size.
+"""Measure peak host memory and time of load_pretrained on a random checkpoint: measure().
 
-  python -m delta_jax.hf.measure_load --preset qwen3-0.6b --stored-dtype bfloat16
-
-Writes a random tied checkpoint (numpy, one tensor at a time) into a temporary folder, loads it in
-a fresh subprocess and prints one JSON line: peak resident memory (VmHWM) before and after the
-load, the loaded model's size and the load time. The file was just written, so it is read from
-the page cache: the time excludes disk speed.
+measure writes a random tied checkpoint (numpy, one tensor at a time), loads it in a fresh
+subprocess (`python -m delta_jax.hf.measure_load --child FOLDER`, which prints load_and_measure's
+JSON line) and returns peak resident memory (VmHWM) before and after the load, the loaded model's
+size and the load time. The file was just written, so it is read from the page cache: the time
+excludes disk speed. The command line is in __main__.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.config import DTYPES, PRESETS, ModelConfig
+from delta_jax.config import ModelConfig
 from delta_jax.hf.keymap import config_to_hf
 from delta_jax.hf.load import CONFIG, WEIGHTS
 from delta_jax.hf.safetensors_io import write_file
@@ -54,7 +51,8 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line (Linux only)")
 
 
-def _child(folder: Path) -> None:
+def load_and_measure(folder: Path) -> dict:
+    """Load `folder` in this process: its peak memory before and after, model size and time."""
     import jax
 
     from delta_jax import count_params
@@ -66,45 +64,18 @@ def _child(folder: Path) -> None:
     jax.block_until_ready(jax.tree.leaves(model))
     seconds = time.perf_counter() - start
     model_bytes = count_params(model.config) * jnp.dtype(model.config.param_dtype).itemsize
-    print(json.dumps({"peak_rss_before": before, "peak_rss_after": _peak_rss_bytes(),
-                      "model_bytes": model_bytes, "load_seconds": round(seconds, 2)}))
+    return {"peak_rss_before": before, "peak_rss_after": _peak_rss_bytes(),
+            "model_bytes": model_bytes, "load_seconds": round(seconds, 2)}
 
 
 def measure(cfg: ModelConfig, stored_dtype: str, folder: Path) -> dict:
+    """load_and_measure of a random `cfg` checkpoint stored in `stored_dtype` at `folder`, in a
+    fresh process, plus the file's size."""
     write_random_checkpoint(cfg, folder, stored_dtype)
     file_bytes = (folder / WEIGHTS).stat().st_size
     done = subprocess.run([sys.executable, "-m", "delta_jax.hf.measure_load", "--child",
                            str(folder)], check=True, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[2])
+                          cwd=Path(__file__).resolve().parents[3])
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result.update(file_bytes=file_bytes, stored_dtype=stored_dtype)
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m delta_jax.hf.measure_load",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=PRESETS, default="qwen3-0.6b")
-    parser.add_argument("--num-layers", type=int, help="override the preset's layer count")
-    parser.add_argument("--vocab-size", type=int, help="override the preset's vocabulary")
-    parser.add_argument("--stored-dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        return _child(args.child)
-    overrides = {k: v for k, v in (("num_layers", args.num_layers),
-                                   ("vocab_size", args.vocab_size)) if v is not None}
-    cfg = ModelConfig.preset(args.preset, residual="baseline", **overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = measure(cfg, args.stored_dtype, Path(tmp) / "model")
-    gib = 2 ** 30
-    print(json.dumps(result))
-    print(f"{args.preset}: {result['file_bytes'] / gib:.2f} GiB {args.stored_dtype} file -> "
-          f"{result['model_bytes'] / gib:.2f} GiB float32 model; peak RSS "
-          f"{result['peak_rss_after'] / gib:.2f} GiB ({result['peak_rss_before'] / gib:.2f} "
-          f"GiB before loading), load {result['load_seconds']:.1f} s", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

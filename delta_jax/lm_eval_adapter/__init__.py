@@ -4,8 +4,8 @@
         --model_args pretrained=PATH,tokenizer=qwen3,max_length=2048 --batch_size 8 \\
         --tasks hellaswag
 
-runs lm-eval's own command line with this model registered (plain `lm_eval` does not import it).
-From Python: `lm_eval.simple_evaluate(model=DeltaJaxLM(pretrained=PATH), tasks=[...])`.
+runs lm-eval's own command line (__main__.py) with this model registered (plain `lm_eval` does
+not import it). From Python: `lm_eval.simple_evaluate(model=DeltaJaxLM(pretrained=PATH), tasks=[...])`.
 Requires `pip install lm_eval==0.4.13`.
 """
 from __future__ import annotations
@@ -85,8 +85,3 @@ class DeltaJaxLM(LM):
                         text = text.split(stop)[0]
                     out[i] = text
         return out
-
-if __name__ == "__main__":
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()

@@ -1,10 +1,13 @@
-"""What the routing learned: `python -m delta_jax.analyze --model PATH [...] --data ...`.
+"""What the routing learned: routing_statistics, format_table and the figures.
+
+The command line `python -m delta_jax.analyze --model PATH [...] --data ...` is in __main__.py.
 
 For every routing site (attention and MLP site of each layer, and the final site of block/full)
 over the tokens of the data: mean max weight, entropy and normalised entropy (docs/spec.md section
-5), and the mean weight of each source. Writes routing.json and two kinds of PNG figure to
---out: max_weight.png (mean max weight versus depth, one panel per model, with 1/N, the value of
-uniform routing, dashed) and heatmap_<label>.png (sources x sites, mean weights). Prints a table.
+5), and the mean weight of each source. The command writes routing.json and two kinds of PNG
+figure to --out: max_weight.png (mean max weight versus depth, one panel per model, with 1/N,
+the value of uniform routing, dashed) and heatmap_<label>.png (sources x sites, mean weights),
+and prints a table.
 
 Source names, in the order a site sees them: "null" (a learned null source, if any), then
   delta, full         emb, a0, m0, a1, m1, ...   (embedding, attention / MLP output of layer l)
@@ -17,10 +20,7 @@ Conventions: L layers, N_pad padded sources per site (see Routing), W windows of
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,9 +31,8 @@ from matplotlib.figure import Figure  # no pyplot: figures render with Agg, head
 from matplotlib.ticker import MaxNLocator
 
 from delta_jax.config import ModelConfig
-from delta_jax.data.tokenizers import get_tokenizer
-from delta_jax.eval import TokenStream, read_stream
-from delta_jax.loading import check_token_ids, load_model
+from delta_jax.data.tokenizers import check_token_ids
+from delta_jax.eval import TokenStream
 from delta_jax.model import CausalLM, Routing
 
 SUBLAYERS = ("attn", "mlp")
@@ -190,79 +189,3 @@ def plot_heatmap(result: dict, path: Path) -> None:
 def _title(result: dict) -> str:
     label, residual = result["label"], result["residual"]
     return label if label == residual else f"{label} ({residual})"
-
-
-def _labels(paths: Sequence[str], given: Sequence[str] | None,
-            residuals: Sequence[str]) -> list[str]:
-    if given:
-        if len(given) != len(paths):
-            raise ValueError(f"{len(given)} --label for {len(paths)} --model: give one per model")
-        return list(given)
-    if len(set(residuals)) == len(residuals):
-        return list(residuals)
-    return [Path(p).name for p in paths]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m delta_jax.analyze", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, action="append",
-                        help="checkpoint dir, run folder or Hugging Face folder (repeatable)")
-    parser.add_argument("--label", action="append", help="name per --model (default: residual)")
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="a prepared directory, tfds:NAME?..., or text/JSONL/Parquet files")
-    parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
-    parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
-                        "model folder's, or the prepared data's)")
-    parser.add_argument("--seq-len", type=int, default=512, help="window length")
-    parser.add_argument("--max-windows", type=int, default=16, help="windows to analyze")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--out", default="analysis", help="directory for routing.json and PNGs")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        for name in ("seq_len", "max_windows", "batch_size"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a "
-                                 "positive integer")
-        results = []
-        for path in args.model:
-            model, tokenizer = load_model(path, **({"dtype": args.dtype} if args.dtype else {}))
-            if args.tokenizer:
-                tokenizer = get_tokenizer(args.tokenizer)
-            stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
-                                 max_tokens=args.seq_len * args.max_windows)
-            try:
-                results.append({"model": path, **routing_statistics(
-                    model, stream, seq_len=args.seq_len, max_windows=args.max_windows,
-                    batch_size=args.batch_size)})
-            except ValueError as err:
-                raise ValueError(f"{path}: {err}") from None
-        labels = _labels(args.model, args.label, [r["residual"] for r in results])
-    except (OSError, ValueError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for label, result in zip(labels, results):
-        result["label"] = label
-        plot_heatmap(result, out / f"heatmap_{label}.png")
-    plot_max_weight(results, out / "max_weight.png")
-    (out / "routing.json").write_text(json.dumps({"models": results}, indent=1) + "\n")
-    if args.json:
-        print(json.dumps({"models": results}, indent=1))
-    else:
-        print("\n\n".join(format_table(r) for r in results))
-        print(f"\nwrote {out / 'routing.json'}, {out / 'max_weight.png'} and heatmaps",
-              file=sys.stderr)
-    return results
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,4 +1,6 @@
-"""Perplexity and bits per byte of held-out text: `python -m delta_jax.eval --model PATH --data`.
+"""Perplexity and bits per byte of held-out text: read_stream, then perplexity.
+
+The command line `python -m delta_jax.eval --model PATH --data ...` is in __main__.py.
 
 Data is a prepared directory (`python -m delta_jax.data prepare`), a "tfds:NAME?..." spec read
 through the data pipeline, or text/Markdown/JSONL/Parquet files. Each becomes one token stream:
@@ -15,12 +17,9 @@ Conventions: B windows per batch, T window length (seq_len), N stream length, V 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,8 +32,8 @@ from flax import nnx
 
 from delta_jax.data.pipeline import PreparedSplit, build_eval_iterator
 from delta_jax.data.prepare import METADATA, find_inputs, iter_documents
-from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
-from delta_jax.loading import add_model_arguments, check_token_ids, data_tokenizer, load_model
+from delta_jax.data.tokenizers import Tokenizer, check_token_ids, get_tokenizer
+from delta_jax.loading import data_tokenizer
 from delta_jax.model import CausalLM
 
 
@@ -180,51 +179,3 @@ def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
         if result["bytes"]:
             result["bits_per_byte"] = total_nll / (math.log(2) * result["bytes"])
     return result
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m delta_jax.eval", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="a prepared directory, tfds:NAME?data_dir=..&tokenizer=.., or text/"
-                             "JSONL/Parquet files")
-    parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
-    parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
-                        "model folder's, or the prepared data's)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="window length T")
-    parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--max-tokens", type=int, help="read at most this many tokens")
-    parser.add_argument("--output", help="also write the JSON result to this file")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        for name in ("seq_len", "batch_size", "stride", "max_tokens"):
-            if (value := getattr(args, name)) is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
-        overrides = {"dtype": args.dtype} if args.dtype else {}
-        model, tokenizer = load_model(args.model, step=args.step, **overrides)
-        if args.tokenizer:
-            tokenizer = get_tokenizer(args.tokenizer)
-        stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
-                             max_tokens=args.max_tokens)
-        result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,
-                                                    stride=args.stride,
-                                                    batch_size=args.batch_size)}
-    except (OSError, ValueError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    return result
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

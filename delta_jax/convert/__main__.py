@@ -11,17 +11,13 @@ Bad input is reported as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
-from delta_jax.checkpoint import restore_model, save_model
+from delta_jax.cli import setup_logging
 from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
+from delta_jax.convert import TOKENIZER_DIR, hf_to_orbax, orbax_to_hf
 from delta_jax.hf.keymap import ConversionError
-from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
-from delta_jax.hf.save import save_pretrained
-
-TOKENIZER_DIR = "tokenizer"  # beside the step directories of an Orbax checkpoint
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,40 +56,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def hf_to_orbax(args: argparse.Namespace) -> None:
-    if args.target.exists() and any(args.target.iterdir()):
-        raise ConversionError(f"{args.target}: exists and is not empty; choose a new directory")
+def _hf_to_orbax(args: argparse.Namespace) -> None:
     overrides = {field: getattr(args, field) for field in (
         "residual", "num_blocks", "block_sources", "router_init", "null_source", "routing_gate",
         "gate_base") if getattr(args, field) is not None}
-    model = load_pretrained(args.source, param_dtype=args.param_dtype, progress=True,
-                            preserve_function=args.preserve_function, **overrides)
-    save_model(model, args.target, step=0)
-    tokenizer_files = [args.source / name for name in TOKENIZER_FILES
-                       if (args.source / name).is_file()]
-    if tokenizer_files:
-        (args.target / TOKENIZER_DIR).mkdir()
-        for path in tokenizer_files:
-            shutil.copyfile(path, args.target / TOKENIZER_DIR / path.name)
+    model = hf_to_orbax(args.source, args.target, param_dtype=args.param_dtype, progress=True,
+                        preserve_function=args.preserve_function, **overrides)
+    tokenizer = args.target / TOKENIZER_DIR
+    copied = len(list(tokenizer.iterdir())) if tokenizer.is_dir() else 0
     print(f"wrote {args.target} (step 0, residual={model.config.residual}, "
-          f"{len(tokenizer_files)} tokenizer files)")
+          f"{copied} tokenizer files)")
 
 
-def orbax_to_hf(args: argparse.Namespace) -> None:
-    if not args.source.is_dir():
-        raise ConversionError(f"{args.source}: not an Orbax checkpoint directory")
-    model = restore_model(args.source, args.step)
-    tokenizer = args.tokenizer_from or args.source / TOKENIZER_DIR
-    save_pretrained(model, args.target, dtype=args.dtype, tokenizer_from=tokenizer,
-                    max_shard_size=args.max_shard_size, progress=True)
+def _orbax_to_hf(args: argparse.Namespace) -> None:
+    model = orbax_to_hf(args.source, args.target, step=args.step, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size, tokenizer_from=args.tokenizer_from,
+                        progress=True)
     print(f"wrote {args.target} (model_type "
           f"{'qwen3' if model.config.residual == 'baseline' else 'qwen3_attnres'})")
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     args = _parser().parse_args(argv)
     try:
-        {"hf-to-orbax": hf_to_orbax, "orbax-to-hf": orbax_to_hf}[args.command](args)
+        {"hf-to-orbax": _hf_to_orbax, "orbax-to-hf": _orbax_to_hf}[args.command](args)
     except (ConversionError, OSError) as err:
         message = " ".join(str(err).split())  # one line, whatever the exception's layout
         print(f"delta_jax.convert: error: {message}", file=sys.stderr)
