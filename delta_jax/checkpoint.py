@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from delta_jax.config import ModelConfig
-from delta_jax.model.causal_lm import CausalLM
+from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.sharding import state_shardings
 
 PARAMS = "params"
@@ -71,8 +71,7 @@ def load_checkpoint(directory: str | Path, step: int | None = None, *, mesh=None
     """
     cfg = load_checkpoint_config(directory, step)
     cfg = cfg.replace(**config_overrides) if config_overrides else cfg
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     if mesh is not None:
         shardings = state_shardings(params, mesh)
         target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),

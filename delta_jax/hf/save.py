@@ -26,8 +26,8 @@ from delta_jax.hf.keymap import (ConversionError, active_rules, config_to_hf, ga
                                  hf_shape)
 from delta_jax.hf.load import CONFIG, INDEX, TOKENIZER_FILES, WEIGHTS, dtype_name
 from delta_jax.hf.safetensors_io import TensorInfo, write_file
-from delta_jax.hf.state_dict import abstract_model, iter_hf_tensors
-from delta_jax.model.causal_lm import CausalLM
+from delta_jax.hf.state_dict import iter_hf_tensors
+from delta_jax.model.causal_lm import CausalLM, abstract_model
 
 logger = logging.getLogger(__name__)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,

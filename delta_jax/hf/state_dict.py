@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from delta_jax.config import ModelConfig
 from delta_jax.hf.keymap import (ATTNRES, ConversionError, KeyRule, active_rules,
                                  config_from_hf, expected_hf_keys, hf_names, hf_shape)
-from delta_jax.model.causal_lm import CausalLM
+from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.model.routing import RoutingSite
 from delta_jax.sharding import state_shardings
 
@@ -33,10 +33,6 @@ def _get_path(tree, path: tuple[str, ...]):
     for part in path:
         tree = tree[part]
     return tree
-
-
-def abstract_model(cfg: ModelConfig) -> CausalLM:
-    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def plan_conversion(hf_config: Mapping[str, Any], *, source: str, preserve_function: bool = False,

@@ -139,7 +139,13 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     return CausalLM(cfg, rngs=nnx.Rngs(params=seed))
 
 
+def abstract_model(cfg: ModelConfig) -> CausalLM:
+    """A CausalLM whose arrays are jax.ShapeDtypeStruct: its structure, shapes and shardings
+    without allocating (what loaders restore into)."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Number of parameters, computed without allocating them."""
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    params = nnx.state(abstract_model(cfg), nnx.Param)
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -17,7 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from delta_jax.config import ModelConfig
-from delta_jax.model.causal_lm import CausalLM
+from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.sharding import state_partition_specs
 
 
@@ -30,8 +30,7 @@ class TrainState:
 
 def abstract_graph_and_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract nnx.Param state) without allocating anything."""
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract, nnx.Param)
+    return nnx.split(abstract_model(cfg), nnx.Param)
 
 
 def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict:
