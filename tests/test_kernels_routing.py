@@ -160,6 +160,31 @@ def test_route_buffer_under_a_mesh_matches_one_device():
         assert _relative_error(w, g) < 1e-6
 
 
+def test_route_buffer_with_a_partial_last_token_tile(monkeypatch):
+    """B*T = 12 tokens in tiles of 8: the last tile's rows past the end are dropped and kept
+    out of d_wg (on TPU, B*T is often 2047 * batch)."""
+    import delta_jax.kernels.routing as kernel
+
+    values, inv_rms, *_ = _sources()
+    wg = jax.random.normal(jax.random.key(4), (HIDDEN,))
+    d_mix = jax.random.normal(jax.random.key(5), values.shape[1:])
+
+    def run():
+        def loss(values, inv_rms, wg):
+            logits, mix = route_buffer(values, inv_rms, wg, 4)
+            finite = jnp.where(jnp.isfinite(logits), logits, 0)
+            return jnp.sum(mix * d_mix) + jnp.sum(finite ** 2), (finite, mix)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            values, inv_rms, wg)
+
+    want_outputs, want_grads = run()[0][1], run()[1]
+    monkeypatch.setattr(kernel, "_VMEM_BLOCK_BUDGET", 1)
+    assert kernel._token_tile(BATCH * LENGTH, HIDDEN, 4, SLOTS) == 8
+    (_, outputs), grads = run()
+    for got, want in zip((*outputs, *grads), (*want_outputs, *want_grads)):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
 def _set_gates_and_nulls(model):
     """Gates open (0.7) and null sources off zero, so that every routed term counts."""
     for site in (model.layers.attn_site, model.layers.mlp_site, model.final_site):
@@ -224,7 +249,7 @@ def _libtpu_missing() -> str | None:
 @pytest.mark.skipif(_libtpu_missing() is not None, reason=str(_libtpu_missing()))
 def test_kernel_compiles_for_tpu():
     """The Mosaic kernels (not the interpreter) lower and compile for a v5p chip from this
-    host, forward and backward, at a shape with several token tiles."""
+    host, forward and backward, at a shape with several token tiles, within VMEM."""
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
@@ -236,9 +261,10 @@ def test_kernel_compiles_for_tpu():
         (logits, mix), vjp = jax.vjp(lambda *a: route_buffer(*a, num_valid), values, inv_rms, wg)
         return mix, vjp((jnp.zeros_like(logits), jnp.ones_like(mix)))
 
+    # 2 x 511 tokens: four tiles of 256 rows at D = 1280, the last one partial
     compiled = jax.jit(forward_and_backward).lower(
-        spec((9, 2, 512, 256), jnp.bfloat16), spec((9, 2, 512), jnp.float32),
-        spec((256,), jnp.float32), spec((), jnp.int32)).compile()
+        spec((9, 2, 511, 1280), jnp.bfloat16), spec((9, 2, 511), jnp.float32),
+        spec((1280,), jnp.float32), spec((), jnp.int32)).compile()
     hlo = compiled.as_text()
     assert hlo.count("tpu_custom_call") == 2  # the forward and the backward kernel
     chex.assert_scalar_positive(float(compiled.cost_analysis()["bytes accessed"]))

@@ -46,14 +46,16 @@ _LANES = 128
 
 
 def _token_tile(tokens: int, hidden: int, itemsize: int, slots: int) -> int:
-    """The largest power-of-two tile (>= 8 rows, a TPU sublane multiple) dividing `tokens` whose
-    backward blocks fit the budget; all tokens in one block when none divides (tiny inputs)."""
+    """Rows per grid step: the largest power of two (>= 8, a sublane multiple) whose backward
+    blocks fit the budget, or all the tokens when they fit in one such tile. B*T need not be a
+    multiple of it: the last tile is then partial, its rows past the end are never written back
+    and the backward kernel masks them out of its one sum over tokens (d_wg)."""
     lanes = -(-slots // _LANES) * _LANES  # a [tile,S] float32 block is padded to 128 lanes
     per_token = hidden * (4 * itemsize + 2 * 4 + 3 * 4) + 4 * 2 * lanes * 4
-    for tile in (1024, 512, 256, 128, 64, 32, 16, 8):
-        if tokens % tile == 0 and tile * per_token <= _VMEM_BLOCK_BUDGET:
-            return tile
-    return tokens
+    tile = 1024
+    while tile > 8 and tile * per_token > _VMEM_BLOCK_BUDGET:
+        tile //= 2
+    return tokens if tokens <= tile else tile
 
 
 def _slot_column(block: jax.Array, slot) -> jax.Array:
@@ -111,7 +113,7 @@ def _forward_call(values, inv_rms_t, wg, num_valid, *, interpret: bool):
     per_token = lambda i, s, nv: (i, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
-        grid=(tokens // tile, slots),
+        grid=(pl.cdiv(tokens, tile), slots),
         in_specs=[pl.BlockSpec((pl.squeezed, tile, hidden),
                                lambda i, s, nv: (_last_valid(s, nv), i, 0)),
                   pl.BlockSpec((tile, slots), per_token),
@@ -137,7 +139,7 @@ def _forward_call(values, inv_rms_t, wg, num_valid, *, interpret: bool):
 
 # Backward ----------------------------------------------------------------------------------
 def _backward_kernel(num_valid_ref, values_ref, inv_rms_ref, beta_ref, shift_ref, wg_ref,
-                     d_mix_ref, d_values_ref, d_inv_rms_ref, d_wg_ref):
+                     d_mix_ref, d_values_ref, d_inv_rms_ref, d_wg_ref, *, tokens: int):
     """One (token tile, slot) step of the backward pass, for mix = sum_n beta_n s_n with
     beta = softmax(logit) over the valid slots and logit_n = r_n (wg . s_n).
 
@@ -146,8 +148,10 @@ def _backward_kernel(num_valid_ref, values_ref, inv_rms_ref, beta_ref, shift_ref
     d_logit_n = beta_n (s_n . d_mix) + shift_n, d_s_n = beta_n d_mix + d_logit_n r_n wg,
     d_r_n = d_logit_n (wg . s_n), d_wg += sum_tokens d_logit_n r_n s_n.
     Outputs: d_values [tile,D] per slot; d_inv_rms [tile,S] and d_wg [1,D] resident.
+    `tokens`: N, past which the rows of a partial last tile hold garbage.
     """
-    slot = pl.program_id(1)
+    # program_id at the top level: the interpreter does not substitute it inside pl.when.
+    first_row, slot = pl.program_id(0) * values_ref.shape[0], pl.program_id(1)
 
     @pl.when(slot == 0)
     def _init():
@@ -167,7 +171,9 @@ def _backward_kernel(num_valid_ref, values_ref, inv_rms_ref, beta_ref, shift_ref
         d_inv_rms_ref[...] = jnp.where(lane == slot,
                                        d_logit * jnp.sum(x * wg, axis=1, keepdims=True),
                                        d_inv_rms_ref[...])
-        d_wg_ref[...] += jnp.sum(scaled * x, axis=0, keepdims=True)
+        row = first_row + jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 0)
+        d_wg_ref[...] += jnp.sum(jnp.where(row < tokens, scaled * x, 0.0), axis=0,
+                                 keepdims=True)
 
     @pl.when(slot >= num_valid_ref[0])
     def _invalid():  # a slot the site did not see: no gradient
@@ -179,7 +185,7 @@ def _backward_call(values, inv_rms_t, beta_t, shift_t, wg, d_mix, num_valid, *,
     """-> (d_values [S,N,D] in values' dtype, d_inv_rms_t [N,S] f32, d_wg [D] f32)."""
     slots, tokens, hidden = values.shape
     tile = _token_tile(tokens, hidden, values.dtype.itemsize, slots)
-    tiles = tokens // tile
+    tiles = pl.cdiv(tokens, tile)
     per_token = pl.BlockSpec((tile, slots), lambda i, s, nv: (i, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -194,7 +200,7 @@ def _backward_call(values, inv_rms_t, beta_t, shift_t, wg, d_mix, num_valid, *,
                    pl.BlockSpec((pl.squeezed, 1, hidden), lambda i, s, nv: (i, 0, 0))])
     elements = slots * tokens * hidden
     d_values, d_inv_rms_t, d_wg = pl.pallas_call(
-        _backward_kernel,
+        functools.partial(_backward_kernel, tokens=tokens),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(values.shape, values.dtype),
                    jax.ShapeDtypeStruct((tokens, slots), jnp.float32),
@@ -238,7 +244,10 @@ def _route(values, inv_rms_t, wg, num_valid, interpret):
 
 def _route_forward(values, inv_rms_t, wg, num_valid, interpret):
     logits_t, mix = _route(values, inv_rms_t, wg, num_valid, interpret)
-    return (logits_t, mix), (values, inv_rms_t, wg, num_valid, logits_t, mix)
+    # The mix is kept in the buffer's dtype: under the scan driver residuals are stacked per
+    # layer, and a bf16 buffer's gradient is bf16-accurate anyway.
+    return (logits_t, mix), (values, inv_rms_t, wg, num_valid, logits_t,
+                             mix.astype(values.dtype))
 
 
 def _route_backward(interpret, residuals, cotangents):
@@ -248,8 +257,8 @@ def _route_backward(interpret, residuals, cotangents):
     # past: computed here once per token and folded into the logits' own cotangent.
     beta_t = _valid_softmax(logits_t, num_valid)
     valid = jnp.arange(values.shape[0]) < num_valid[0]
-    shift_t = jnp.where(valid, d_logits_t - beta_t * jnp.sum(mix * d_mix, axis=1,
-                                                             keepdims=True), 0.0)
+    mix_dot = jnp.sum(mix.astype(jnp.float32) * d_mix, axis=1, keepdims=True)
+    shift_t = jnp.where(valid, d_logits_t - beta_t * mix_dot, 0.0)
     d_values, d_inv_rms_t, d_wg = _on_platform(
         _backward_call, values, inv_rms_t, beta_t, shift_t, wg, d_mix, num_valid,
         interpret=interpret)
