@@ -13,7 +13,8 @@ the buffer's total weight, with the sources outside the buffer (null, fresh, liv
 The kernel: grid (token tiles, S), the slot axis innermost, so a token tile's [tile,D] float32
 mix stays in VMEM while the slots stream past (an online softmax: running max and sum). num_valid
 is a scalar-prefetch operand: the index map pins every slot >= num_valid to the last valid one,
-which the pipeline does not fetch again, and the body skips them, so invalid slots are not read.
+which the pipeline does not fetch again, and the body skips them, so invalid slots are not read
+(with num_valid = 0, slot 0 is fetched once per tile and ignored).
 The backward kernel is one more pass over the valid slots (per slot: d_beta = s.d_mix, then
 d_s, d_inv_rms and the d_wg partial of the tile) and writes zeros for the rest: slots >=
 num_valid get no gradient, which the lean driver relies on (drivers.py).
