@@ -16,10 +16,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
+ROUTING_KERNELS = ("xla", "pallas")
 
-# Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver)
-# only change how the same function is computed; checkpoints may move between them.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver")
+# Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
+# routing_kernel) only change how the same function is computed; checkpoints may move between them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "routing_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights)
     remat: str = "none"
     layer_driver: str = "lean"
+    # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
+    # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
+    routing_kernel: str = "xla"
 
     def __post_init__(self):
         def fail(field: str, allowed: str):
@@ -76,7 +80,8 @@ class ModelConfig:
         for field, allowed in (("residual", RESIDUALS), ("block_sources", BLOCK_SOURCES),
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
-                               ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES)):
+                               ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES),
+                               ("routing_kernel", ROUTING_KERNELS)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
         if not self.rms_norm_eps > 0:

@@ -7,6 +7,10 @@ source, so a site's logits are r_n * ((w*g) . s_n): the normalised sources are n
 materialised. A site can also see a per-site learned null source [D] (prepended, delta modes)
 and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
 replacement modes, appended). Padded weight layout of a site: [null?] + S slots + [live?].
+
+`routing_kernel="pallas"` reads the buffer in one pass of a Pallas kernel (kernels/routing.py),
+which returns the slots' logits and their own softmax mix; the site then treats that mix as one
+source weighted by the buffer slots' total weight. The same function, another summation order.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from delta_jax.kernels.routing import route_buffer
 from delta_jax.model.layers import inverse_rms, make_param
 from delta_jax.model.protocol import SourceBuffer, Write
 
@@ -26,6 +31,7 @@ class RoutingSite(nnx.Module):
         d = cfg.hidden_size
         pd = jnp.dtype(cfg.param_dtype)
         self.eps = cfg.rms_norm_eps
+        self.kernel = cfg.routing_kernel
         self.query = make_param(rngs, (d,), ("routing",), init=cfg.router_init,
                                 std=cfg.init_std, dtype=pd, stack=stack)
         self.norm = make_param(None, (d,), ("routing",), init="ones", std=0.0, dtype=pd,
@@ -51,8 +57,12 @@ class RoutingSite(nnx.Module):
         buffer, inv_rms = sources.values, sources.inv_rms
         wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
-        logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
-                                       preferred_element_type=jnp.float32)]
+        if self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
+            buffer_logits, buffer_mix = route_buffer(buffer, inv_rms, wg, num_valid)
+            logits = [buffer_logits]
+        else:
+            logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
+                                           preferred_element_type=jnp.float32)]
         valid = [jnp.arange(num_slots) < num_valid]
         if self.null is not None:
             null = self.null[...].astype(jnp.float32)
@@ -75,8 +85,11 @@ class RoutingSite(nnx.Module):
         null_weight, weights = ((weights[0], weights[1:]) if self.null is not None
                                 else (None, weights))
         slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
-        mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
-                         preferred_element_type=jnp.float32)
+        if self.kernel == "pallas":  # sum_n alpha_n s_n = (sum_n alpha_n) * softmax-mix of slots
+            mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
+        else:
+            mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
+                             preferred_element_type=jnp.float32)
         if null_weight is not None:
             mix = mix + null_weight[..., None] * null
         for (value, _, _), weight in zip(outside, outside_weights):

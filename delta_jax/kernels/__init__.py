@@ -1,0 +1,1 @@
+"""Pallas kernels (TPU; interpreted on other backends)."""
