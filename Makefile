@@ -4,12 +4,15 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint install clean
 
-$(STAMP): requirements.txt requirements-test.txt
+# The pinned requirements first, then the package itself (editable, its dependencies being
+# those pins already).
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements-test.txt
+	$(VENV)/bin/pip install -q -e . --no-deps
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +31,10 @@ test: $(STAMP)
 # The suite without the tests marked slow.
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml (line length 100).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -21,9 +21,7 @@ from delta_jax.train.faults import EXIT_NONFINITE, EXIT_PREEMPTED, PreflightErro
 from delta_jax.train.loop import Trainer, run
 from delta_jax.train.metrics import read_metrics
 from delta_jax.train.state import abstract_state
-from tests.test_train_loop import STEPS, config, data_dir, losses, params_at  # noqa: F401
-
-REPO = Path(__file__).resolve().parents[1]
+from test_train_loop import STEPS, config, data_dir, losses, params_at  # noqa: F401
 
 
 def assert_same_run(out, reference):
@@ -36,7 +34,7 @@ def assert_same_run(out, reference):
 def start(cfg, tmp_root) -> subprocess.Popen:
     """`python -m delta_jax.train --config <output_dir>.yaml` with a compilation cache shared
     by this module's subprocesses."""
-    env = {**os.environ, "PYTHONPATH": str(REPO),
+    env = {**os.environ,
            "JAX_COMPILATION_CACHE_DIR": str(tmp_root / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     return subprocess.Popen([sys.executable, "-m", "delta_jax.train", "--config",
