@@ -3,13 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# One pytest worker per core (at most 4); the tests that share a module's fixtures stay on one
+# worker (tests/conftest.py). PYTEST_XDIST= runs in one process.
+PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint install clean
 
-$(STAMP): requirements.txt requirements-test.txt
+# The pinned requirements first, then the package itself (editable, its dependencies being
+# those pins already).
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements-test.txt
+	$(VENV)/bin/pip install -q -e . --no-deps
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,12 +28,16 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected nothing: report that as the failure it is.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS) || { rc=$$?; \
+	$(VENV)/bin/python -m pytest tests $(PYTEST_XDIST) $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 
 # The suite without the tests marked slow.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml (line length 100).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

@@ -22,10 +22,12 @@ def test_default_corpus_is_prepared_exactly(cache):
     meta = json.loads((data_dir / "metadata.json").read_text())
     assert meta["tokenizer"] == {"spec": "byte", "name": "byte", "vocab_size": 257, "eos_id": 256}
     splits = meta["splits"].values()
-    assert sum(s["num_documents"] for s in splits) + meta["skipped_empty_documents"] == info["num_documents"]
-    assert sum(s["num_tokens"] for s in splits) == info["num_text_bytes"] + sum(s["num_documents"] for s in splits)
-    batch = next(build_batch_iterator(data_dir, split="validation", seq_len=256, global_batch_size=8,
-                                      seed=0, process_index=0, process_count=1))
+    documents = sum(s["num_documents"] for s in splits)
+    assert documents + meta["skipped_empty_documents"] == info["num_documents"]
+    assert sum(s["num_tokens"] for s in splits) == info["num_text_bytes"] + documents
+    batch = next(build_batch_iterator(data_dir, split="validation", seq_len=256,
+                                      global_batch_size=8, seed=0, process_index=0,
+                                      process_count=1))
     assert batch["input_ids"].shape == (8, 256) and batch["input_ids"].max() <= 256
 
 
@@ -39,5 +41,6 @@ def test_cached_and_deterministic(cache, tmp_path):
 
 
 def test_too_long_sequence_is_refused(cache):
-    with pytest.raises(ValueError, match=r"split 'validation' has \d+ tokens, fewer than one window"):
+    with pytest.raises(ValueError,
+                       match=r"split 'validation' has \d+ tokens, fewer than one window"):
         default_prepared_data(cache[0], seq_len=10**6)

@@ -13,8 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from delta_jax.data.pipeline import (PreparedSplit, build_batch_iterator, build_eval_iterator,
-                                     make_window_source, to_global_array)
+from delta_jax.data.pipeline import (
+    PreparedSplit,
+    build_batch_iterator,
+    build_eval_iterator,
+    make_window_source,
+    to_global_array,
+)
 from delta_jax.data.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +36,10 @@ def data_dir(tmp_path_factory):
     with (root / "docs.jsonl").open("w") as f:
         for m in MODULES:
             for node in ast.walk(ast.parse((stdlib / m).read_text("utf-8"))):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
-                    f.write(json.dumps({"text": ast.get_docstring(node)}) + "\n")
+                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                    continue
+                if doc := ast.get_docstring(node):
+                    f.write(json.dumps({"text": doc}) + "\n")
     prepare([root / "docs.jsonl"], root / "data", validation_fraction=0.1, record_tokens=4096,
             shard_tokens=4096 * 8, progress=False)
     return root / "data"
@@ -51,7 +58,8 @@ def _rows(batch):
     """Window bytes of each row, rebuilt from input_ids and labels."""
     assert batch["input_ids"].dtype == batch["labels"].dtype == np.int32
     np.testing.assert_array_equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
-    return [np.append(x, y[-1]).astype(np.int32).tobytes() for x, y in zip(batch["input_ids"], batch["labels"])]
+    return [np.append(x, y[-1]).astype(np.int32).tobytes()
+            for x, y in zip(batch["input_ids"], batch["labels"])]
 
 
 def _take(iterator, n):
@@ -59,7 +67,8 @@ def _take(iterator, n):
 
 
 def _iterator(data_dir, **kw):
-    kw = dict(split="train", seq_len=T, global_batch_size=B, seed=3, process_index=0, process_count=1) | kw
+    kw = dict(split="train", seq_len=T, global_batch_size=B, seed=3, process_index=0,
+              process_count=1) | kw
     return build_batch_iterator(data_dir, **kw)
 
 
@@ -90,9 +99,10 @@ def test_same_seed_and_step_give_the_same_batch_in_a_fresh_process(data_dir):
               f"it = b(sys.argv[1], split='train', seq_len={T}, global_batch_size={B}, seed=11, "
               "process_index=0, process_count=1)\n"
               "for _ in range(6):\n x = next(it)\n"
-              " print(hashlib.sha256(x['input_ids'].tobytes() + x['labels'].tobytes()).hexdigest())")
-    run = subprocess.run([sys.executable, "-c", script, str(data_dir)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+              " print(hashlib.sha256(x['input_ids'].tobytes()"
+              " + x['labels'].tobytes()).hexdigest())")
+    run = subprocess.run([sys.executable, "-c", script, str(data_dir)], capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == here
     assert digest(next(_iterator(data_dir, seed=12))) != here[0]
@@ -120,7 +130,8 @@ def test_process_slices_are_disjoint_and_cover_the_global_batch(data_dir, proces
     for step, batch in enumerate(whole):
         rows = [_rows(s[step]) for s in slices]
         assert all(len(r) == B // processes for r in rows)
-        assert sum(rows, []) == _rows(batch)  # in order: the same global batch for any process count
+        # in order: the same global batch for any process count
+        assert sum(rows, []) == _rows(batch)
         assert len(set(sum(rows, []))) == B
 
 
@@ -152,7 +163,8 @@ def test_bad_arguments(data_dir, tmp_path):
         _iterator(data_dir, global_batch_size=4096, num_epochs=1)
     with pytest.raises(ValueError, match="no split 'test'"):
         _iterator(data_dir, split="test")
-    prepare([REPO / "tests/data/udhr_article1.txt"], tmp_path / "d", validation_fraction=0, progress=False)
+    prepare([REPO / "tests/data/udhr_article1.txt"], tmp_path / "d", validation_fraction=0,
+            progress=False)
     with pytest.raises(ValueError, match=r"metadata.json: split 'validation' is empty"):
         build_eval_iterator(tmp_path / "d", seq_len=T, global_batch_size=B)
     with pytest.raises(FileNotFoundError, match="nowhere/metadata.json: missing"):
@@ -182,22 +194,23 @@ def test_missing_shard(data_dir, tmp_path):
 def test_truncated_shard(data_dir, tmp_path):
     copy, shard = _damaged(data_dir, tmp_path, lambda p: os.truncate(p, p.stat().st_size - 100))
     size = shard.stat().st_size
-    with pytest.raises(ValueError, match=rf"{shard}: truncated or altered \(metadata says {size + 100} "
-                                         rf"bytes, file has {size}\)"):
+    with pytest.raises(ValueError, match=rf"{shard}: truncated or altered \(metadata says "
+                                         rf"{size + 100} bytes, file has {size}\)"):
         _iterator(copy)
 
 
 def test_checksum_mismatch(data_dir, tmp_path):
     copy, shard = _damaged(data_dir, tmp_path, _flip_byte)
-    want = json.loads((copy / "metadata.json").read_text())["splits"]["train"]["shards"][1]["sha256"]
+    metadata = json.loads((copy / "metadata.json").read_text())
+    want = metadata["splits"]["train"]["shards"][1]["sha256"]
     have = hashlib.sha256(shard.read_bytes()).hexdigest()
-    with pytest.raises(ValueError, match=f"{shard}: checksum mismatch \\(metadata says sha256 {want}, "
-                                         f"file has {have}\\)"):
+    with pytest.raises(ValueError, match=f"{shard}: checksum mismatch \\(metadata says sha256 "
+                                         f"{want}, file has {have}\\)"):
         _iterator(copy, verify_checksums=True)
     # Unverified, ArrayRecord's own chunk hashes still stop the damaged record from being read.
     source = make_window_source(copy, split="train", seq_len=T)
     with pytest.raises(ValueError, match=f"{shard}: record .*: unreadable"):
         [source[i] for i in range(len(source))]
     run = subprocess.run([sys.executable, "-m", "delta_jax.data", "verify", str(copy)],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         capture_output=True, text=True)
     assert run.returncode == 1 and "checksum mismatch" in run.stderr

@@ -1,7 +1,6 @@
 """`prepare`: exact token accounting on real files, the held-out split, the CLI, bad inputs."""
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,8 @@ def inputs(tmp_path_factory):
         for i, text in enumerate(jsonl + [""]):  # an empty document: skipped, counted
             f.write(json.dumps({"id": i, "text": text}) + "\n\n")
     parquet = _module_docstrings("collections/__init__.py", "heapq.py", "functools.py", "random.py")
-    pq.write_table(pa.table({"text": parquet, "n": range(4)}), root / "d_docs.parquet", row_group_size=2)
+    pq.write_table(pa.table({"text": parquet, "n": range(4)}), root / "d_docs.parquet",
+                   row_group_size=2)
     return sorted(root.iterdir()), texts + jsonl + parquet
 
 
@@ -56,7 +56,8 @@ def test_no_token_lost_or_invented(inputs, prepared):
     assert sum(s["num_documents"] for s in splits.values()) == len(docs) == 9
     assert sum(s["num_tokens"] for s in splits.values()) == sum(len(d.encode()) + 1 for d in docs)
     for split, info in splits.items():
-        held = [d for d in docs if in_validation(d, OPTIONS["validation_fraction"]) == (split == "validation")]
+        held = [d for d in docs
+                if in_validation(d, OPTIONS["validation_fraction"]) == (split == "validation")]
         assert 0 < len(held) < len(docs)
         expected = b"".join(d.encode() + b"\0" for d in held)  # \0 marks EOS (256) below
         stream = PreparedSplit(out, split, verify_checksums=True).read(0, info["num_tokens"])
@@ -76,12 +77,11 @@ def test_cli_with_worker_processes_matches_in_process(inputs, prepared, tmp_path
     cmd = [sys.executable, "-m", "delta_jax.data", "prepare", "--input", *map(str, inputs[0]),
            "--output", str(out), "--workers", "2", "--record-tokens", "1000",
            "--shard-tokens", "5000", "--validation-fraction", "0.3"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "tokens/s" in run.stdout and "prepare (byte)" in run.stderr  # summary and progress bar
     assert json.loads((out / "metadata.json").read_text()) == prepared[1]  # shard checksums too
-    helped = subprocess.run(cmd[:4] + ["--help"], capture_output=True, text=True, env=env)
+    helped = subprocess.run(cmd[:4] + ["--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--validation-fraction" in helped.stdout
 
 
@@ -97,14 +97,22 @@ BAD_INPUTS = {
                        r"bad_utf8.jsonl:2: invalid UTF-8 at byte 10"),
     "no_field.jsonl": (lambda p: p.write_text('{"text": "ok"}\n{"body": "x", "id": 1}\n'),
                        r"no_field.jsonl:2: no field 'text' \(fields: body, id\)"),
-    "not_json.jsonl": (lambda p: p.write_text('{"text": "ok"}\n{"text": \n'), r"not_json.jsonl:2: invalid JSON"),
-    "number.jsonl": (lambda p: p.write_text('{"text": 3}\n'), r"number.jsonl:1: field 'text' is int, expected a string"),
-    "no_column.parquet": (lambda p: _parquet(p, body=["x"]), r"no_column.parquet: no column 'text' \(columns: body\)"),
-    "no_rows.parquet": (lambda p: _parquet(p, text=pa.array([], pa.string())), r"no_rows.parquet: empty file \(no rows\)"),
-    "null.parquet": (lambda p: _parquet(p, text=["a", None]), r"null.parquet: row 1: 'text' is null"),
-    "binary.parquet": (lambda p: _parquet(p, text=[b"\xff"]), r"binary.parquet: row 0: invalid UTF-8 at byte 0"),
-    "ints.parquet": (lambda p: _parquet(p, text=[1, 2]), r"ints.parquet: column 'text' has type int64"),
-    "garbage.parquet": (lambda p: p.write_bytes(b"not parquet at all"), r"garbage.parquet: not a readable Parquet file"),
+    "not_json.jsonl": (lambda p: p.write_text('{"text": "ok"}\n{"text": \n'),
+                       r"not_json.jsonl:2: invalid JSON"),
+    "number.jsonl": (lambda p: p.write_text('{"text": 3}\n'),
+                     r"number.jsonl:1: field 'text' is int, expected a string"),
+    "no_column.parquet": (lambda p: _parquet(p, body=["x"]),
+                          r"no_column.parquet: no column 'text' \(columns: body\)"),
+    "no_rows.parquet": (lambda p: _parquet(p, text=pa.array([], pa.string())),
+                        r"no_rows.parquet: empty file \(no rows\)"),
+    "null.parquet": (lambda p: _parquet(p, text=["a", None]),
+                     r"null.parquet: row 1: 'text' is null"),
+    "binary.parquet": (lambda p: _parquet(p, text=[b"\xff"]),
+                       r"binary.parquet: row 0: invalid UTF-8 at byte 0"),
+    "ints.parquet": (lambda p: _parquet(p, text=[1, 2]),
+                     r"ints.parquet: column 'text' has type int64"),
+    "garbage.parquet": (lambda p: p.write_bytes(b"not parquet at all"),
+                        r"garbage.parquet: not a readable Parquet file"),
     "notes.csv": (lambda p: p.write_text("a,b\n"), r"notes.csv: unsupported file type '.csv'"),
 }
 

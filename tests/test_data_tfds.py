@@ -1,4 +1,5 @@
-"""A TFDS dataset in ArrayRecord format, built here without TensorFlow, read through build_batch_iterator."""
+"""A TFDS dataset in ArrayRecord format, built here without TensorFlow, read through
+build_batch_iterator."""
 from pathlib import Path
 
 import grain
@@ -10,7 +11,8 @@ from delta_jax.data.pipeline import build_batch_iterator
 from delta_jax.data.tokenizers import get_tokenizer
 
 T, B = 32, 4
-PARAGRAPHS = [p for p in (Path(__file__).parent / "data/udhr_article1.txt").read_text("utf-8").split("\n\n") if p]
+PARAGRAPHS = [p for p in (Path(__file__).parent / "data/udhr_article1.txt").read_text("utf-8")
+              .split("\n\n") if p]
 # Numbered documents, one much longer than a window, so that windows cross and split documents.
 DOCS = [f"[doc {i}] {PARAGRAPHS[i % len(PARAGRAPHS)]}" * (12 if i == 5 else 1) for i in range(40)]
 
@@ -25,7 +27,8 @@ class TinyDocs(tfds.core.GeneratorBasedBuilder):
             {"text": tfds.features.Text(), "id": tfds.features.Scalar(np.int32)}))
 
     def _split_generators(self, dl_manager):
-        return {"train": self._generate_examples(DOCS[:30]), "validation": self._generate_examples(DOCS[30:])}
+        return {"train": self._generate_examples(DOCS[:30]),
+                "validation": self._generate_examples(DOCS[30:])}
 
     def _generate_examples(self, docs):
         for text in docs:
@@ -41,7 +44,8 @@ def spec(tmp_path_factory):
 
 
 def _batches(spec, n=None, **kw):
-    kw = dict(split="train", seq_len=T, global_batch_size=B, seed=5, process_index=0, process_count=1) | kw
+    kw = dict(split="train", seq_len=T, global_batch_size=B, seed=5, process_index=0,
+              process_count=1) | kw
     it = build_batch_iterator(spec, **kw)
     return it, (list(it) if n is None else [next(it) for _ in range(n)])
 
@@ -60,7 +64,8 @@ def _documents(stream):
 
 def test_packing_keeps_every_token_in_order(spec):
     _, batches = _batches(spec, shuffle=False, num_epochs=1)
-    source = tfds.data_source("tiny_docs", split="train", data_dir=spec.split("data_dir=")[1].split("&")[0])
+    data_dir = spec.split("data_dir=")[1].split("&")[0]
+    source = tfds.data_source("tiny_docs", split="train", data_dir=data_dir)
     expected = np.concatenate([np.append(list(source[i]["text"]), 256) for i in range(len(source))])
     stream = _stream(batches)
     assert batches[0]["input_ids"].shape == (B, T) and batches[0]["labels"].dtype == np.int32
@@ -73,7 +78,8 @@ def test_same_seed_same_batches_and_exact_restore(spec, tmp_path):
     it, first = _batches(spec, 5)
     for want, got in zip(reference, first):
         np.testing.assert_array_equal(want["input_ids"], got["input_ids"])
-    assert it.get_state()["offset"] > 0  # restarts mid-document, from a document index and an offset
+    # restarts mid-document, from a document index and an offset
+    assert it.get_state()["offset"] > 0
     grain.checkpoint.CheckpointHandler().save(tmp_path, it)  # what the Orbax checkpoint holds
     restored = grain.checkpoint.CheckpointHandler().restore(tmp_path, _batches(spec, 0)[0])
     for want in reference[5:]:
@@ -95,7 +101,8 @@ def test_process_slices_are_disjoint_and_cover(spec):
 
 
 def test_tfds_errors(spec):
-    with pytest.raises(ValueError, match=r"split 'train': no feature 'body' \(features: id, text\)"):
+    with pytest.raises(ValueError,
+                       match=r"split 'train': no feature 'body' \(features: id, text\)"):
         _batches(spec + "&text_field=body", 1)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['tokeniser'\]"):
         _batches(spec + "&tokeniser=byte", 1)

@@ -7,7 +7,8 @@ import pytest
 
 from delta_jax.data.tokenizers import get_tokenizer, token_dtype
 
-TEXTS = ["", "plain ASCII.", "héllo wörld — ünïcödé ✓", "日本語のテキスト", "emoji 🤗 and\ttabs\n\nnewlines"]
+TEXTS = ["", "plain ASCII.", "héllo wörld — ünïcödé ✓", "日本語のテキスト",
+         "emoji 🤗 and\ttabs\n\nnewlines"]
 
 # Expected ids from the integration test of transformers' Qwen2 tokenizer (Qwen/Qwen-tokenizer,
 # the vocabulary Qwen2, 2.5 and 3 share); <|im_start|>/<|im_end|> ids from a Qwen2 tokenizer test.
@@ -41,7 +42,8 @@ def test_byte_tokenizer_is_utf8():
     assert tok.decode([104, 105, 256, 106]) == "hi<|endoftext|>j"
 
 
-@pytest.mark.parametrize("text,ids", QWEN_GOLDEN, ids=["english", "code_and_chinese", "chat_markers"])
+@pytest.mark.parametrize("text,ids", QWEN_GOLDEN,
+                         ids=["english", "code_and_chinese", "chat_markers"])
 def test_qwen3_matches_reference_ids(text, ids):
     tok = get_tokenizer("qwen3")
     assert tok.encode(text) == ids

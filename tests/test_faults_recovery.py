@@ -21,9 +21,7 @@ from delta_jax.train.faults import EXIT_NONFINITE, EXIT_PREEMPTED, PreflightErro
 from delta_jax.train.loop import Trainer, run
 from delta_jax.train.metrics import read_metrics
 from delta_jax.train.state import abstract_state
-from tests.test_train_loop import STEPS, config, data_dir, losses, params_at  # noqa: F401
-
-REPO = Path(__file__).resolve().parents[1]
+from test_train_loop import STEPS, config, data_dir, losses, params_at  # noqa: F401
 
 
 def assert_same_run(out, reference):
@@ -34,13 +32,10 @@ def assert_same_run(out, reference):
 
 
 def start(cfg, tmp_root) -> subprocess.Popen:
-    """`python -m delta_jax.train --config <output_dir>.yaml` with a compilation cache shared
-    by this module's subprocesses."""
-    env = {**os.environ, "PYTHONPATH": str(REPO),
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_root / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    """`python -m delta_jax.train --config <output_dir>.yaml`. It inherits the test run's
+    compilation cache (conftest.py), which already holds the steps this process compiled."""
     return subprocess.Popen([sys.executable, "-m", "delta_jax.train", "--config",
-                             cfg.output_dir + ".yaml"], env=env, cwd=tmp_root,
+                             cfg.output_dir + ".yaml"], cwd=tmp_root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -224,8 +224,7 @@ def test_two_processes_match_one(data_dir, tmp_path):
                          timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     one = subprocess.run([sys.executable, "-m", "delta_jax.train", "--config", single + ".yaml"],
-                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                              "PYTHONPATH": str(repo)},
+                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
 

@@ -27,7 +27,8 @@ def test_schedule_values_at_known_steps():
                 12_000: 6e-5}
     for step, value in expected.items():
         np.testing.assert_allclose(lr(step), value, rtol=1e-5, atol=1e-12, err_msg=str(step))
-    # Cosine: a quarter of the way through the decay sits at floor + (peak - floor)(1 + cos(pi/4))/2.
+    # Cosine: a quarter of the way through the decay sits at
+    # floor + (peak - floor)(1 + cos(pi/4))/2.
     quarter = 6e-5 + (6e-4 - 6e-5) * (1 + np.cos(np.pi / 4)) / 2
     np.testing.assert_allclose(lr(1000 + 9000 // 4), quarter, rtol=1e-5)
     # No warmup starts at the peak; a run shorter than its warmup stays on the ramp.
