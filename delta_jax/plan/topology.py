@@ -122,13 +122,11 @@ def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
                                             num_slices=num_slices, **kwargs).devices
 
     try:
-        try:
-            found = devices()
-        except jax.errors.JaxRuntimeError as e:
-            if "chips_per_host_bounds" not in str(e):
-                raise
-            # Slices smaller than a host's 2x2x1 chips (v5e:1x1): one chip per host.
+        if chips_in(match_shape(name)) < 4:
+            # Slices smaller than a host's default 2x2x1 chips (v5e:1x1, v6e:1x2).
             found = devices(chips_per_host_bounds=(1, 1, 1))
+        else:
+            found = devices()
     except jax.errors.JaxRuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise PlanError(f"--topology {name!r} is not a valid {chip.name} slice ({first}); "
@@ -136,6 +134,11 @@ def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
     if not found:
         raise PlanError(f"--topology {name!r} has no devices; expected {VALID}")
     return Topology(name, tuple(found), chip, num_slices)
+
+
+def match_shape(name: str) -> str:
+    """"v5p:4x4x4" -> "4x4x4"."""
+    return name.partition(":")[2]
 
 
 def chips_in(shape: str) -> int:
