@@ -139,3 +139,15 @@ def test_bad_override_and_variant_exit_2(capsys):
     assert main([*CONFIG, "--topology", "cpu:8", "--variants", "deltaa", *TINY]) == 2
     err = capsys.readouterr().err
     assert "model.nope" in err and "deltaa" in err
+
+
+@needs_libtpu
+def test_where_finds_the_smallest_slice(tmp_path):
+    from delta_jax.plan import where
+
+    out = tmp_path / "where.json"
+    assert where.main(["--configs", "configs/220m.yaml", "--chips", "v5e", "--json", str(out),
+                       *TINY]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["slice"], row["remat"], row["grad_accum"]) == ("1x1", "none", 1)
+    assert 0 < row["hbm_bytes"] <= row["hbm_per_device"]
