@@ -72,12 +72,14 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None) -> str:
     ]
     if plan.oom:
         lines.append(f"    compiler: {plan.oom}")
+    elif plan.flops is None:
+        lines.append("  cost: not estimated (memory only)")
     else:
-        flops = "-" if plan.flops is None else f"{plan.flops / 1e12:.2f} TFLOP"
-        accessed = "-" if plan.bytes_accessed is None else _gib(plan.bytes_accessed)
+        flops, accessed = f"{plan.flops / 1e12:.2f} TFLOP", _gib(plan.bytes_accessed)
         lines += [
-            f"    XLA cost analysis: {flops}, {accessed} accessed "
-            f"(model count: {plan.analytic_flops / plan.num_devices / 1e12:.2f} TFLOP)",
+            f"    XLA cost analysis (unrolled twin): {flops}, {accessed} accessed "
+            f"(model count without recompute: "
+            f"{plan.analytic_flops / plan.num_devices / 1e12:.2f} TFLOP)",
             "  estimated by XLA's cost model (not measured): "
             + ("-" if est is None else f"{est:.4f} s/step, {tps:,.0f} tokens/s"
                + ("" if util is None else f", MFU {util:.1%}")),
