@@ -5,8 +5,8 @@
 
 For each config and chip, slices are tried smallest first (chips.SLICES); on each, every
 device goes to fsdp (to tensor what the batch cannot split over), and the knobs are turned
-until the step fits: remat none, save_dots, full, then full with the most gradient
-accumulation the batch allows. The first that fits is reported. A slice whose parameters and
+until the step fits: remat none, save_dots, full, then full with 2, 4, 8, ... microbatches
+(as many as the batch allows). The first that fits is reported. A slice whose parameters and
 optimizer state alone exceed HBM is skipped without compiling. Memory only: each candidate is
 the real train step compiled for that slice (compile.compile_step, estimate=False).
 """
@@ -41,8 +41,11 @@ def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
     for policy in REMATS:
         yield knobs.with_remat(placed, policy)
     most = knobs.max_grad_accum(batch, fsdp)
-    if most > 1:
-        yield knobs.with_grad_accum(knobs.with_remat(placed, "full"), most)
+    accum = 2
+    while accum <= most:  # (the logits [B/A, T, V] dominate at small slices: remat cannot help)
+        if batch % accum == 0 and (batch // accum) % fsdp == 0:
+            yield knobs.with_grad_accum(knobs.with_remat(placed, "full"), accum)
+        accum *= 2
 
 
 def smallest_fit(run: RunConfig, chip_name: str) -> dict[str, Any]:
