@@ -151,3 +151,14 @@ def test_where_finds_the_smallest_slice(tmp_path):
     (row,) = json.loads(out.read_text())
     assert (row["slice"], row["remat"], row["grad_accum"]) == ("1x1", "none", 1)
     assert 0 < row["hbm_bytes"] <= row["hbm_per_device"]
+
+
+@needs_libtpu
+def test_multislice_puts_data_across_slices(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = [*CONFIG, "--topology", "v5p:2x2x1", "--num-slices", "2", "--no-estimate", *TINY]
+    assert main([*args, "--json", str(out), "mesh.data=2", "mesh.fsdp=-1"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["num_devices"] == 8 and row["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert main(args) == 2  # mesh.data=1 cannot span two slices
+    assert "multiple of the number of slices" in capsys.readouterr().err
