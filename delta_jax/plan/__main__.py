@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true", help="print the variants table as Markdown")
     p.add_argument("--json", type=Path, help="write every compiled plan here (a JSON list)")
     p.add_argument("overrides", nargs="*", help="section.key=value, as for the trainer")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
 def variant_names(text: str | None, default: str) -> list[str]:

@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path)
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to every config")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         chips = [c for c in args.chips.split(",") if c]
         for name in chips:
