@@ -1,0 +1,139 @@
+"""python -m delta_jax.plan: will this run fit on that slice, and how fast would it be?
+
+    python -m delta_jax.plan --config configs/8b.yaml --topology v5p:4x4x4 \
+        [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--json OUT] \
+        [--hbm-gib X] [--peak-tflops X] [--no-suggest] [section.key=value ...]
+
+Compiles the trainer's train step (same shardings, donation, gradient accumulation, remat) for
+the named topology on this host: a TPU slice needs libtpu (`pip install "jax[tpu]==<jax
+version>"`) but no TPU; `cpu:N` uses N (fake) CPU devices. Prints per device the parameters,
+optimizer state, batch, temporaries and total against the chip's HBM, fits or not; XLA's FLOPs,
+bytes accessed and its cost-model step time (an estimate, not a measurement) with the
+tokens/s and MFU that follow. A run that does not fit is compiled again with each knob turned
+one notch (remat, grad_accum, all-fsdp) to show which helps and by how much.
+
+Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+# The planner only compiles: keep jax off any attached accelerator (and, with libtpu installed,
+# off probing for one); TPU topologies are reached through libtpu's compile-only devices.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from delta_jax.config import RESIDUALS  # noqa: E402
+from delta_jax.plan import knobs, report  # noqa: E402
+from delta_jax.plan.compile import StepPlan, compile_step, mesh_sizes, with_variant  # noqa: E402
+from delta_jax.plan.topology import PlanError, Topology, resolve  # noqa: E402
+from delta_jax.train.config import RunConfig, load_config  # noqa: E402
+
+GiB = 2**30
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, status 2 (argparse prints the usage too)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m delta_jax.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="a run YAML (configs/8b.yaml)")
+    p.add_argument("--topology", required=True,
+                   help="v5p:4x4x4, v5e:4x4, v6e:2x4, v4:2x2x1, ... or cpu:N")
+    p.add_argument("--num-slices", type=int, default=1,
+                   help="slices joined over DCN (Multislice); mesh.data spans them")
+    p.add_argument("--variants", default=None,
+                   help="'all' or residual variants, comma-separated (default: the config's)")
+    p.add_argument("--hbm-gib", type=float, default=None,
+                   help="HBM per device to judge against (default: the chip's)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak bf16 TFLOP/s per device for MFU (default: the chip's)")
+    p.add_argument("--no-estimate", action="store_true",
+                   help="memory only: skip the unrolled twin compiled for the cost numbers")
+    p.add_argument("--no-suggest", action="store_true",
+                   help="do not compile alternatives for a run that does not fit")
+    p.add_argument("--markdown", action="store_true", help="print the variants table as Markdown")
+    p.add_argument("--json", type=Path, help="write every compiled plan here (a JSON list)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, as for the trainer")
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
+
+
+def variant_names(text: str | None, default: str) -> list[str]:
+    """"all" / "a,b" / None -> variants, baseline first (the ratios' reference)."""
+    names = list(RESIDUALS) if text == "all" else [default] if text is None else [
+        n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in RESIDUALS]
+    if unknown or not names:
+        raise PlanError(f"--variants {text!r}: unknown {unknown or text!r}; expected 'all' or "
+                        f"some of {', '.join(RESIDUALS)}")
+    return sorted(names, key=lambda n: n != "baseline")
+
+
+def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
+            peak: float | None) -> list[dict[str, Any]]:
+    """Compile each one-notch alternative to `run`; print and return how each does."""
+    rows, out = [], []  # memory only: the question is whether it fits
+    for change, alt_run in knobs.alternatives(run, plan.mesh):
+        alt = compile_step(alt_run, topology, estimate=False)
+        ok = report.fits(alt, hbm)
+        rows.append([change, f"{alt.total_bytes / GiB:.2f}",
+                     f"{(alt.total_bytes - plan.total_bytes) / GiB:+.2f}",
+                     "-" if ok is None else ("yes" if ok else "no")])
+        out.append({"change": change, **report.to_dict(alt, hbm, peak)})
+    if rows:
+        print("  alternatives, each one change from the above (compiled):")
+        table = report.format_rows(["change", "HBM/device GiB", "vs above GiB", "fits"], rows,
+                                   markdown=False)
+        print("\n".join("    " + line for line in table.splitlines()))
+    return out
+
+
+def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The command; returns what --json writes. Raises PlanError/ValueError on bad input."""
+    args = parse_args(argv)
+    base = load_config(args.config, args.overrides)
+    topology = resolve(args.topology, args.num_slices)
+    mesh_sizes(base, topology.num_devices)  # a mesh that cannot cover it fails before compiling
+    hbm = (int(args.hbm_gib * GiB) if args.hbm_gib is not None else topology.hbm_per_device)
+    peak = (args.peak_tflops * 1e12 if args.peak_tflops is not None
+            else topology.peak_flops_per_device
+            or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
+    print(f"topology {topology.describe()}; config {args.config}")
+    results, plans = [], []
+    for variant in variant_names(args.variants, base.model.residual):
+        run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
+        step_plan = compile_step(run, topology, estimate=not args.no_estimate)
+        plans.append(step_plan)
+        print(report.describe(step_plan, hbm, peak), flush=True)
+        entry = {"topology": topology.name, "num_slices": topology.num_slices,
+                 **report.to_dict(step_plan, hbm, peak)}
+        if report.fits(step_plan, hbm) is False and not args.no_suggest:
+            entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak)
+        results.append(entry)
+    if len(plans) > 1 or args.markdown:
+        print()
+        print(report.variants_table(plans, hbm, markdown=args.markdown))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        results = plan(argv)
+    except (PlanError, ValueError, FileNotFoundError) as err:
+        print(f"python -m delta_jax.plan: error: {err}", file=sys.stderr)
+        return 2
+    return 1 if any(r["fits"] is False for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""TPU chips: HBM and peak bf16 FLOP/s per chip, from Google's Cloud TPU pages.
+
+Public figures (cloud.google.com/tpu/docs/<version>, "key specifications"): v2 16 GiB and
+45 TFLOP/s; v3 32 GiB, 123; v4 32 GiB, 275; v5e 16 GB, 197; v5p 95 GB, 459; v6e (Trillium)
+32 GB, 918. The pages write GB for the newer chips; the capacities are GiB (a v5p reports about
+95.7 GiB to the runtime), which is what is used here. Dense bf16, no sparsity.
+
+A chip may show up as several devices (v2, v3 and v4 topologies have one device per TensorCore,
+two per chip; v5p and v6e one per chip): per-device figures divide by that count.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str  # the topology name's prefix: "v5p" in "v5p:4x4x4"
+    hbm_bytes: int  # per chip
+    peak_flops: float  # dense bf16 FLOP/s per chip
+    ndims: int  # dimensions of its slice shapes: 3 (v4, v5p: "2x2x1"), 2 (v5e, v6e: "4x4")
+
+
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    Chip("v2", 16 * GiB, 45e12, 2),
+    Chip("v3", 32 * GiB, 123e12, 2),
+    Chip("v4", 32 * GiB, 275e12, 3),
+    Chip("v5e", 16 * GiB, 197e12, 2),
+    Chip("v5p", 95 * GiB, 459e12, 3),
+    Chip("v6e", 32 * GiB, 918e12, 2),
+)}
+
+# Single-slice shapes, smallest first (Google's tables of supported slices; v5e and v6e also
+# come as 1x1, 2x2 and 2x4 hosts). Used by the "what fits where" search.
+SLICES: dict[str, tuple[str, ...]] = {
+    "v4": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    "v5e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    "v5p": ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8"),
+    "v6e": ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+}
+
+
+def chip(name: str) -> Chip:
+    """The Chip named `name` ("v5p"), or a ValueError listing the known ones."""
+    if name not in CHIPS:
+        raise ValueError(f"unknown TPU chip {name!r}: expected one of {', '.join(CHIPS)}")
+    return CHIPS[name]

@@ -1,0 +1,254 @@
+"""Compile the trainer's own train step for a Topology and read back its memory and cost.
+
+The one place the planner calls into delta_jax.train: the optimizer, the state's shardings, the
+jitted step (donation, gradient accumulation, remat) are the trainer's, so what is compiled here
+is what a run on that slice would execute. Nothing is allocated: the state and the batch are
+jax.ShapeDtypeStructs.
+
+Per-device numbers: XLA compiles one SPMD program that every device runs, and its
+memory_analysis() and cost_analysis() describe that program.
+
+XLA's cost analysis counts the body of a while loop once, whatever its trip count (checked on
+v5e, v5p and v6e with jax 0.10.2: a scan of 8 matmuls reports the FLOPs and nearly the time of
+one). The trainer's layers run in loops (the lean and scan drivers), so the cost numbers come
+from a twin: the same run with the `unrolled` layer driver, which computes the same function
+with every layer in the program; under the lean driver, whose backward recomputes each layer,
+the twin recomputes too (remat=full). The memory numbers are always the real program's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from delta_jax.config import ModelConfig
+from delta_jax.plan.topology import PlanError, Topology
+from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
+from delta_jax.train.config import RunConfig
+from delta_jax.train.metrics import train_flops_per_token
+from delta_jax.train.optimizer import make_optimizer, schedules
+from delta_jax.train.state import abstract_model, abstract_state, state_specs, to_shardings
+from delta_jax.train.step import make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One compiled train step. Bytes are per device; flops and bytes_accessed too (XLA's cost
+    model of the per-device program); analytic_flops is the model's count for the global step.
+
+    When the TPU compiler itself refused the program for exceeding HBM (RESOURCE_EXHAUSTED),
+    `oom` holds its message, temp_bytes the temporaries it names, total_bytes those plus the
+    state and batch shards, and the cost fields are None.
+    """
+    variant: str
+    remat: str
+    layer_driver: str
+    mesh: dict  # {"data": n, "fsdp": n, "tensor": n}, the resolved sizes
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    num_devices: int
+    params_bytes: int
+    opt_state_bytes: int
+    batch_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs written in place of donated arguments (the state)
+    temp_bytes: int
+    code_bytes: int
+    total_bytes: int  # arguments + temporaries + outputs not aliased + code: the peak in HBM
+    # From the unrolled twin (see above), times grad_accum: its microbatch loop is counted once
+    # too, so the optimizer update is counted grad_accum times (a slight overestimate).
+    flops: float | None
+    bytes_accessed: float | None
+    estimated_step_s: float | None  # XLA's cost-model "optimal_seconds", not a measurement
+    analytic_flops: float
+    compile_s: float
+    oom: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def knobs(self) -> str:
+        m = self.mesh
+        return (f"remat={self.remat} grad_accum={self.grad_accum} "
+                f"mesh=data{m['data']}/fsdp{m['fsdp']}/tensor{m['tensor']}")
+
+
+def with_variant(model: ModelConfig, variant: str) -> ModelConfig:
+    """`model` as residual `variant`, dropping the options that variant does not have (as
+    delta_jax.bench does: null sources only in the delta modes, no gate on the baseline)."""
+    gated = model.routing_gate and variant != "baseline"
+    return model.replace(
+        residual=variant, routing_gate=gated,
+        null_source=model.null_source and variant.startswith("delta"),
+        gate_base=model.gate_base if gated and variant in ("block", "full") else "live")
+
+
+def mesh_sizes(run: RunConfig, num_devices: int) -> dict[str, int]:
+    """run.mesh with its -1 axis resolved against num_devices; PlanError if they do not match."""
+    sizes = {axis: getattr(run.mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    free = [axis for axis, n in sizes.items() if n == -1]
+    if free and num_devices % fixed == 0:
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise PlanError(f"mesh {sizes} does not cover the topology's {num_devices} devices: "
+                        "expected sizes whose product is that (one may be -1)")
+    return sizes
+
+
+def build_mesh(sizes: dict[str, int], topology: Topology) -> Mesh:
+    """A (data, fsdp, tensor) mesh over the topology; with several slices `data` spans them."""
+    devices = list(topology.devices)
+    if topology.devices_per_chip > 1:
+        # v2-v4 topologies list each TensorCore (jax's ICI-aware layout wants one per chip).
+        grid = np.array(devices).reshape(tuple(sizes.values()))
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    if topology.num_slices == 1:
+        return make_mesh(**sizes, devices=devices)
+    if sizes["data"] % topology.num_slices:
+        raise PlanError(f"mesh.data={sizes['data']} is invalid with {topology.num_slices} "
+                        "slices: expected a multiple of the number of slices (data parallelism "
+                        "is what crosses DCN)")
+    per_slice = (sizes["data"] // topology.num_slices, sizes["fsdp"], sizes["tensor"])
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (topology.num_slices, 1, 1), devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_batch(run: RunConfig, sizes: dict[str, int]) -> None:
+    shards = sizes["data"] * sizes["fsdp"]
+    rows = run.train.batch_size // run.train.grad_accum
+    if rows % shards:
+        raise PlanError(
+            f"train.batch_size={run.train.batch_size} with train.grad_accum="
+            f"{run.train.grad_accum} gives microbatches of {rows} rows, which do not split over "
+            f"mesh data x fsdp = {shards} devices: expected a multiple of {shards}")
+
+
+def _bytes_per_device(tree) -> int:
+    """Sum over ShapeDtypeStructs with shardings of the bytes of one device's shard."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+# The TPU compiler refuses a program that exceeds HBM, e.g. "RESOURCE_EXHAUSTED: Ran out of
+# memory on HBM, the total memory required for HLO temporaries (78.33G) exceeds available HBM
+# (15.75G)."
+_OOM = re.compile(r"temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM")
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _oom_temp_bytes(message: str) -> int | None:
+    found = _OOM.search(message)
+    return None if found is None else int(float(found[1]) * _UNIT[found[2]])
+
+
+def cost_twin(run: RunConfig) -> RunConfig:
+    """The run whose compiled cost analysis counts every layer (see the module docstring)."""
+    model = run.model
+    remat = "full" if model.layer_driver == "lean" else model.remat
+    return dataclasses.replace(run, model=model.replace(layer_driver="unrolled", remat=remat))
+
+
+def _cost(compiled, scale: int) -> dict[str, float | None]:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0]
+    seconds = cost.get("optimal_seconds")
+    values = {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
+              # XLA reports a negative time where its model has no estimate (seen on v5e)
+              "estimated_step_s": seconds if seconds is not None and seconds > 0 else None}
+    return {k: None if v is None else v * scale for k, v in values.items()}
+
+
+def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> StepPlan:
+    """Lower and compile run's train step for `topology`; nothing runs. With `estimate`, the
+    cost fields come from compiling cost_twin(run) too; without, they are None."""
+    memory_plan = _compile(run, topology)
+    if not estimate or memory_plan.oom is not None:
+        return memory_plan
+    twin = run if run.model.layer_driver == "unrolled" else cost_twin(run)
+    start = time.perf_counter()
+    _, compile_twin = _prepare(twin, topology)
+    try:
+        cost = _cost(compile_twin(), run.train.grad_accum)
+    except jax.errors.JaxRuntimeError as e:
+        if _oom_temp_bytes(str(e)) is None:
+            raise
+        return memory_plan  # the twin alone exceeds HBM: no estimate
+    return dataclasses.replace(memory_plan, **cost,
+                               compile_s=memory_plan.compile_s + time.perf_counter() - start)
+
+
+def state_bytes(run: RunConfig, topology: Topology) -> int:
+    """Parameters + optimizer state per device: a floor under any step's memory (no compile)."""
+    fields, _ = _prepare(run, topology)
+    return fields["params_bytes"] + fields["opt_state_bytes"]
+
+
+def _prepare(run: RunConfig, topology: Topology):
+    """(fields of StepPlan known before compiling, a function that compiles the step)."""
+    cfg, train = run.model, run.train
+    sizes = mesh_sizes(run, topology.num_devices)
+    check_batch(run, sizes)
+    mesh = build_mesh(sizes, topology)
+    tx = make_optimizer(run.optimizer, train.steps)
+    shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
+    graphdef, _ = abstract_model(cfg)
+    step = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps), train.grad_accum,
+                           shardings, mesh)
+    state = abstract_state(cfg, tx, shardings)
+    ids = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), jnp.int32,
+                               sharding=batch_sharding(mesh))
+    batch = {"input_ids": ids, "labels": ids}
+    fields = dict(
+        variant=cfg.residual, remat=cfg.remat, layer_driver=cfg.layer_driver, mesh=sizes,
+        batch_size=train.batch_size, seq_len=train.seq_len, grad_accum=train.grad_accum,
+        num_devices=topology.num_devices, params_bytes=_bytes_per_device(state.params),
+        opt_state_bytes=_bytes_per_device(state.opt_state), batch_bytes=_bytes_per_device(batch),
+        analytic_flops=train_flops_per_token(cfg, train.seq_len) * train.batch_size
+        * train.seq_len)
+
+    def compile_():
+        with jax.set_mesh(mesh):
+            return step.lower(state, batch).compile()
+
+    return fields, compile_
+
+
+def _compile(run: RunConfig, topology: Topology) -> StepPlan:
+    """The real program's StepPlan, without cost fields."""
+    fields, compile_ = _prepare(run, topology)
+    start = time.perf_counter()
+    try:
+        compiled = compile_()
+    except jax.errors.JaxRuntimeError as e:
+        temp = _oom_temp_bytes(str(e))
+        if temp is None:
+            raise
+        # No program, so no memory_analysis: the arguments are the state and batch shards.
+        argument = fields["params_bytes"] + fields["opt_state_bytes"] + fields["batch_bytes"]
+        return StepPlan(**fields, argument_bytes=argument, output_bytes=0, alias_bytes=0,
+                        temp_bytes=temp, code_bytes=0, total_bytes=argument + temp, flops=None,
+                        bytes_accessed=None, estimated_step_s=None,
+                        compile_s=time.perf_counter() - start,
+                        oom=str(e).strip().splitlines()[0])
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    argument, output = memory.argument_size_in_bytes, memory.output_size_in_bytes
+    alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
+    code = memory.generated_code_size_in_bytes
+    return StepPlan(
+        **fields, argument_bytes=argument, output_bytes=output, alias_bytes=alias,
+        temp_bytes=temp, code_bytes=code, total_bytes=argument + temp + output - alias + code,
+        flops=None, bytes_accessed=None, estimated_step_s=None, compile_s=compile_s)

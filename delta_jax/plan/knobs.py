@@ -1,0 +1,53 @@
+"""The knobs that trade speed for memory, and the runs that turn each one notch.
+
+Alternatives to a run that does not fit, each one change away from it: a stronger remat policy
+(the layer saves less and recomputes more), more gradient accumulation (smaller microbatches;
+the rows of one must still split over data x fsdp), and every device on fsdp (parameters and
+optimizer state sharded over all of them, when some sat on data or tensor).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from delta_jax.train.config import MeshConfig, RunConfig
+
+# Least to most memory saved (each saves a subset of what the previous one keeps).
+REMAT_ORDER = ("none", "save_dots", "save_sublayer_outputs", "full")
+
+
+def with_remat(run: RunConfig, policy: str) -> RunConfig:
+    return dataclasses.replace(run, model=run.model.replace(remat=policy))
+
+
+def with_grad_accum(run: RunConfig, grad_accum: int) -> RunConfig:
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum=grad_accum))
+
+
+def with_mesh(run: RunConfig, data: int, fsdp: int, tensor: int) -> RunConfig:
+    return dataclasses.replace(run, mesh=MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+
+
+def stronger_remat(policy: str) -> tuple[str, ...]:
+    return REMAT_ORDER[REMAT_ORDER.index(policy) + 1:]
+
+
+def max_grad_accum(batch_size: int, shards: int) -> int:
+    """The most microbatches whose rows still split evenly over `shards` (data x fsdp)."""
+    return max((a for a in range(1, batch_size + 1)
+                if batch_size % a == 0 and (batch_size // a) % shards == 0), default=1)
+
+
+def alternatives(run: RunConfig, mesh: dict[str, int]) -> list[tuple[str, RunConfig]]:
+    """(what changed, the changed run) for each one-notch alternative to `run` on `mesh`."""
+    out = [(f"model.remat={p}", with_remat(run, p)) for p in stronger_remat(run.model.remat)]
+    shards = mesh["data"] * mesh["fsdp"]
+    accum, limit = run.train.grad_accum, max_grad_accum(run.train.batch_size, shards)
+    for factor in (2, 4):
+        if accum * factor <= limit and (run.train.batch_size // (accum * factor)) % shards == 0:
+            out.append((f"train.grad_accum={accum * factor}",
+                        with_grad_accum(run, accum * factor)))
+    devices = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
+    if mesh["fsdp"] != devices and run.train.batch_size // accum % devices == 0:
+        out.append((f"mesh.data=1 mesh.fsdp={devices} mesh.tensor=1",
+                    with_mesh(run, 1, devices, 1)))
+    return out

@@ -1,0 +1,124 @@
+"""What a compiled StepPlan means for a run: does it fit, how fast would it be, and the tables.
+
+Fits: the compiler accepted the program and its peak (StepPlan.total_bytes) is within the
+device's HBM. Speed: XLA's cost model ("optimal_seconds"), an estimate from the compiled
+program, never a measurement; tokens/s and MFU follow from it and the chip's peak FLOP/s.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from delta_jax.plan.compile import StepPlan
+
+GiB = 2**30
+
+
+def fits(plan: StepPlan, hbm_bytes: int | None) -> bool | None:
+    """True/False against `hbm_bytes` per device; None when there is no limit to judge by."""
+    if plan.oom is not None:
+        return False
+    return None if hbm_bytes is None else plan.total_bytes <= hbm_bytes
+
+
+def tokens_per_s(plan: StepPlan) -> float | None:
+    s = plan.estimated_step_s
+    return None if not s else plan.tokens / s
+
+
+def mfu(plan: StepPlan, peak_flops_per_device: float | None) -> float | None:
+    """Model FLOPs (delta_jax.train.metrics, no remat recompute) over the estimated step."""
+    s = plan.estimated_step_s
+    if not s or not peak_flops_per_device:
+        return None
+    return plan.analytic_flops / s / (peak_flops_per_device * plan.num_devices)
+
+
+def to_dict(plan: StepPlan, hbm_bytes: int | None, peak: float | None) -> dict[str, Any]:
+    """The plan's fields and what follows from them (JSON-ready)."""
+    return {**dataclasses.asdict(plan), "hbm_bytes": hbm_bytes, "fits": fits(plan, hbm_bytes),
+            "estimated_tokens_per_s": tokens_per_s(plan), "estimated_mfu": mfu(plan, peak)}
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _verdict(ok: bool | None, plan: StepPlan, hbm: int | None) -> str:
+    if ok is None:
+        return "not judged (no HBM figure for this device; pass --hbm-gib)"
+    over = plan.total_bytes - hbm
+    if ok:
+        return f"fits ({_gib(-over)} to spare)"
+    why = "the compiler refused it" if plan.oom else "over"
+    return f"does NOT fit ({why}; {_gib(over)} over)"
+
+
+def describe(plan: StepPlan, hbm: int | None, peak: float | None) -> str:
+    """The per-device report of one compiled step, several lines."""
+    est = plan.estimated_step_s
+    tps, util = tokens_per_s(plan), mfu(plan, peak)
+    hbm_text = f" of {_gib(hbm)} HBM" if hbm else ""
+    lines = [
+        f"{plan.variant}: {plan.batch_size} x {plan.seq_len} tokens per step, {plan.knobs}, "
+        f"{plan.layer_driver} driver, {plan.num_devices} devices",
+        "  per device:",
+        f"    parameters        {_gib(plan.params_bytes)}",
+        f"    optimizer state   {_gib(plan.opt_state_bytes)}",
+        f"    batch             {_gib(plan.batch_bytes)}",
+        f"    temporaries       {_gib(plan.temp_bytes)}",
+        f"    total             {_gib(plan.total_bytes)}{hbm_text}: "
+        f"{_verdict(fits(plan, hbm), plan, hbm)}",
+    ]
+    if plan.oom:
+        lines.append(f"    compiler: {plan.oom}")
+    elif plan.flops is None:
+        lines.append("  cost: not estimated (memory only)")
+    else:
+        flops, accessed = f"{plan.flops / 1e12:.2f} TFLOP", _gib(plan.bytes_accessed)
+        lines += [
+            f"    XLA cost analysis (unrolled twin): {flops}, {accessed} accessed "
+            f"(model count without recompute: "
+            f"{plan.analytic_flops / plan.num_devices / 1e12:.2f} TFLOP)",
+            "  estimated by XLA's cost model (not measured): "
+            + ("-" if est is None else f"{est:.4f} s/step, {tps:,.0f} tokens/s"
+               + ("" if util is None else f", MFU {util:.1%}")),
+        ]
+    lines.append(f"  compile time {plan.compile_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "" if value is None or not base else f" ({value / base:.2f}x)"
+
+
+def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False) -> str:
+    """One row per plan, ratios to the baseline among them (compiled in the same process)."""
+    base = next((p for p in plans if p.variant == "baseline"), None)
+    header = ["variant", "HBM/device GiB", "fits", "est. step s", "bytes accessed GiB",
+              "est. tokens/s", "compile s"]
+    rows = []
+    for p in plans:
+        step = "-" if p.estimated_step_s is None else f"{p.estimated_step_s:.4f}"
+        accessed = "-" if p.bytes_accessed is None else f"{p.bytes_accessed / GiB:.1f}"
+        tps = tokens_per_s(p)
+        ok = fits(p, hbm)
+        rows.append([
+            p.variant,
+            f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base and base.total_bytes)}",
+            "-" if ok is None else ("yes" if ok else "NO"),
+            step + _ratio(p.estimated_step_s, base and base.estimated_step_s),
+            accessed + _ratio(p.bytes_accessed, base and base.bytes_accessed),
+            "-" if tps is None else f"{tps:,.0f}",
+            f"{p.compile_s:.0f}"])
+    return format_rows(header, rows, markdown)
+
+
+def format_rows(header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        return "\n".join("| " + " | ".join(r) + " |"
+                         for r in [header, ["---"] * len(header), *rows])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Named device sets to compile for: a TPU slice described by name (no TPU attached), or CPUs.
+
+    "v5p:4x4x4"   a v5p slice of 4x4x4 chips (libtpu compiles for it on any host)
+    "v5e:4x4"     v5e and v6e slices are two-dimensional
+    "cpu:8"       8 CPU devices of this process (fake ones: --xla_force_host_platform_device_count)
+
+Several slices (`num_slices` > 1) are joined over DCN, as in Multislice training; the mesh's
+`data` axis then spans the slices (jax's get_topology_desc(num_slices=...) gives each device a
+slice_index).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import re
+
+import jax
+
+from delta_jax.plan.chips import CHIPS, Chip, chip as chip_named
+
+
+class PlanError(ValueError):
+    """Bad input to the planner: reported as one line, exit status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # as given: "v5p:4x4x4", "cpu:8"
+    devices: tuple  # jax Devices (compile-only ones for TPU), len = D
+    chip: Chip | None  # None for CPUs
+    num_slices: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def devices_per_chip(self) -> int:
+        if self.chip is None:
+            return 1
+        chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in self.devices}
+        return self.num_devices // len(chips)
+
+    @property
+    def hbm_per_device(self) -> int | None:
+        return None if self.chip is None else self.chip.hbm_bytes // self.devices_per_chip
+
+    @property
+    def peak_flops_per_device(self) -> float | None:
+        return None if self.chip is None else self.chip.peak_flops / self.devices_per_chip
+
+    def describe(self) -> str:
+        """"v5p:4x4x4 (64 x TPU v5, 95.0 GiB HBM each)"-style summary."""
+        kind = self.devices[0].device_kind
+        slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
+        hbm = (f", {self.hbm_per_device / 2**30:.1f} GiB HBM each"
+               if self.hbm_per_device else "")
+        return f"{self.name}{slices} ({self.num_devices} x {kind}{hbm})"
+
+
+VALID = ("cpu:N, or a TPU slice <chip>:<shape> with chip one of " + ", ".join(CHIPS)
+         + " (e.g. v5p:2x2x1, v5p:4x4x4, v5e:4x4, v6e:2x4)")
+_TPU_NAME = re.compile(r"^(?P<chip>[a-z0-9]+):(?P<shape>\d+(x\d+){1,2})$")
+LIBTPU_HINT = ('compiling for a TPU topology needs libtpu, which is not installed here: '
+               f'pip install "jax[tpu]=={jax.__version__}" (CPU hosts included; no TPU needed)')
+
+
+def resolve(name: str, num_slices: int = 1) -> Topology:
+    """The Topology called `name`; PlanError (one line) for a bad name or a missing libtpu."""
+    if num_slices < 1:
+        raise PlanError(f"--num-slices={num_slices} is invalid: expected an integer >= 1")
+    if name.startswith("cpu:"):
+        if num_slices != 1:
+            raise PlanError(f"--num-slices={num_slices} is invalid with {name}: "
+                            "multi-slice needs a TPU topology")
+        return _cpu(name)
+    match = _TPU_NAME.match(name)
+    if match is None or match["chip"] not in CHIPS:
+        raise PlanError(f"--topology {name!r} is not a known topology: expected {VALID}")
+    return _tpu(name, chip_named(match["chip"]), num_slices)
+
+
+def _cpu(name: str) -> Topology:
+    count = name.removeprefix("cpu:")
+    if not count.isdigit() or int(count) < 1:
+        raise PlanError(f"--topology {name!r} is invalid: expected cpu:N with N >= 1")
+    wanted = int(count)
+    try:  # only possible before jax starts its backends; afterwards, use the devices it has
+        jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError:
+        pass
+    devices = jax.devices("cpu")
+    if len(devices) < wanted:
+        raise PlanError(f"--topology {name}: this process started jax with {len(devices)} CPU "
+                        f"devices; expected at least {wanted} (ask for cpu:N before anything "
+                        "else starts jax, or set XLA_FLAGS=--xla_force_host_platform_device_count)")
+    return Topology(name, tuple(devices[:wanted]), None)
+
+
+def _require_libtpu() -> None:
+    try:
+        importlib.import_module("libtpu")
+    except ImportError:
+        raise PlanError(LIBTPU_HINT) from None
+
+
+def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
+    _require_libtpu()
+    # Compile-only: no TPU is claimed, so the lockfile that keeps two processes off one TPU
+    # must not stop a second planner; and libtpu's start-up chatter is for TPU hosts.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "3")
+    os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+
+    def devices(**kwargs) -> list:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                            num_slices=num_slices, **kwargs).devices
+
+    try:
+        if chips_in(match_shape(name)) < 4:
+            # Slices smaller than a host's default 2x2x1 chips (v5e:1x1, v6e:1x2).
+            found = devices(chips_per_host_bounds=(1, 1, 1))
+        else:
+            found = devices()
+    except jax.errors.JaxRuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise PlanError(f"--topology {name!r} is not a valid {chip.name} slice ({first}); "
+                        f"expected {VALID}") from None
+    if not found:
+        raise PlanError(f"--topology {name!r} has no devices; expected {VALID}")
+    return Topology(name, tuple(found), chip, num_slices)
+
+
+def match_shape(name: str) -> str:
+    """"v5p:4x4x4" -> "4x4x4"."""
+    return name.partition(":")[2]
+
+
+def chips_in(shape: str) -> int:
+    """"4x4x4" -> 64."""
+    return math.prod(int(n) for n in shape.split("x"))

@@ -1,0 +1,119 @@
+"""What fits where: the smallest slice of each TPU chip that each config trains on.
+
+    python -m delta_jax.plan.where --configs configs/220m.yaml,configs/8b.yaml \
+        --chips v5e,v5p,v6e [--markdown] [--json OUT] [section.key=value ...]
+
+For each config and chip, slices are tried smallest first (chips.SLICES); on each, every
+device goes to fsdp (to tensor what the batch cannot split over), and the knobs are turned
+until the step fits: remat none, save_dots, full, then full with 2, 4, 8, ... microbatches
+(as many as the batch allows). The first that fits is reported. A slice whose parameters and
+optimizer state alone exceed HBM is skipped without compiling. Memory only: each candidate is
+the real train step compiled for that slice (compile.compile_step, estimate=False).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
+
+from delta_jax.plan import knobs, report  # noqa: E402
+from delta_jax.plan.chips import SLICES, chip  # noqa: E402
+from delta_jax.plan.compile import compile_step, state_bytes  # noqa: E402
+from delta_jax.plan.topology import PlanError, resolve  # noqa: E402
+from delta_jax.train.config import RunConfig, load_config  # noqa: E402
+
+GiB = 2**30
+REMATS = ("none", "save_dots", "full")
+
+
+def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
+    """The knob settings tried on a slice of `devices`, least recompute first."""
+    batch = run.train.batch_size
+    fsdp = devices if batch % devices == 0 else batch
+    if devices % fsdp:
+        return
+    placed = knobs.with_grad_accum(knobs.with_mesh(run, 1, fsdp, devices // fsdp), 1)
+    for policy in REMATS:
+        yield knobs.with_remat(placed, policy)
+    most = knobs.max_grad_accum(batch, fsdp)
+    accum = 2
+    while accum <= most:  # (the logits [B/A, T, V] dominate at small slices: remat cannot help)
+        if batch % accum == 0 and (batch // accum) % fsdp == 0:
+            yield knobs.with_grad_accum(knobs.with_remat(placed, "full"), accum)
+        accum *= 2
+
+
+def smallest_fit(run: RunConfig, chip_name: str) -> dict[str, Any]:
+    """The first (slice, knobs) on which `run` fits, with its memory; or the largest tried."""
+    for shape in SLICES[chip_name]:
+        topology = resolve(f"{chip_name}:{shape}")
+        hbm = topology.hbm_per_device
+        tried = list(candidates(run, topology.num_devices))
+        if not tried or state_bytes(tried[0], topology) > hbm:
+            continue
+        for candidate in tried:
+            plan = compile_step(candidate, topology, estimate=False)
+            print(f"  {topology.name}: {plan.knobs}: {plan.total_bytes / GiB:.1f} GiB of "
+                  f"{hbm / GiB:.1f}", file=sys.stderr, flush=True)
+            if report.fits(plan, hbm):
+                return {"chip": chip_name, "slice": shape, "devices": topology.num_devices,
+                        "mesh": plan.mesh, "remat": plan.remat, "grad_accum": plan.grad_accum,
+                        "hbm_bytes": plan.total_bytes, "hbm_per_device": hbm}
+    return {"chip": chip_name, "slice": None, "largest_tried": SLICES[chip_name][-1]}
+
+
+def table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    header = ["config", "chip", "smallest slice", "mesh (data/fsdp/tensor)", "remat",
+              "grad_accum", "HBM/device GiB"]
+    body = []
+    for r in rows:
+        if r["slice"] is None:
+            body.append([r["config"], r["chip"], f"none up to {r['largest_tried']}", "", "", "",
+                         ""])
+            continue
+        m = r["mesh"]
+        body.append([r["config"], r["chip"], f"{r['chip']}:{r['slice']} ({r['devices']})",
+                     f"{m['data']}/{m['fsdp']}/{m['tensor']}", r["remat"], str(r["grad_accum"]),
+                     f"{r['hbm_bytes'] / GiB:.1f} of {r['hbm_per_device'] / GiB:.0f}"])
+    return report.format_rows(header, body, markdown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m delta_jax.plan.where", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", required=True, help="run YAMLs, comma-separated")
+    p.add_argument("--chips", default="v5e,v5p,v6e", help="comma-separated: " + ", ".join(SLICES))
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", type=Path)
+    p.add_argument("overrides", nargs="*", help="section.key=value, applied to every config")
+    args = p.parse_intermixed_args(argv)
+    try:
+        chips = [c for c in args.chips.split(",") if c]
+        for name in chips:
+            chip(name)
+            if name not in SLICES:
+                raise PlanError(f"--chips {name!r}: no slice list; expected some of "
+                                f"{', '.join(SLICES)}")
+        rows = []
+        for path in [c for c in args.configs.split(",") if c]:
+            run = load_config(path, args.overrides)
+            for name in chips:
+                print(f"{path} on {name}", file=sys.stderr, flush=True)
+                rows.append({"config": Path(path).stem, **smallest_fit(run, name)})
+    except (PlanError, ValueError, FileNotFoundError) as err:
+        print(f"python -m delta_jax.plan.where: error: {err}", file=sys.stderr)
+        return 2
+    print(table(rows, args.markdown))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The pre-launch planner: compiles the real step for a TPU slice (no TPU) or CPUs, judges fit."""
+import importlib
+import json
+
+import pytest
+
+from delta_jax.plan import knobs, report, topology
+from delta_jax.plan.__main__ import main
+from delta_jax.plan.compile import StepPlan
+
+TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
+        "model.intermediate_size=64", "model.num_blocks=2", "model.dtype=bfloat16",
+        "model.remat=none", "train.batch_size=8", "train.seq_len=16"]
+CONFIG = ["--config", "configs/220m.yaml"]
+
+
+def _has_libtpu() -> bool:
+    try:
+        importlib.import_module("libtpu")
+    except ImportError:
+        return False
+    return True
+
+
+needs_libtpu = pytest.mark.skipif(
+    not _has_libtpu(), reason="libtpu is not installed (pip install -r requirements-test.txt): "
+    "compiling for a TPU topology needs it")
+
+
+def _plan(**overrides) -> StepPlan:
+    fields = dict(variant="baseline", remat="none", layer_driver="lean",
+                  mesh={"data": 1, "fsdp": 4, "tensor": 1}, batch_size=8, seq_len=16,
+                  grad_accum=1, num_devices=4, params_bytes=1, opt_state_bytes=2, batch_bytes=3,
+                  argument_bytes=6, output_bytes=6, alias_bytes=6, temp_bytes=94, code_bytes=0,
+                  total_bytes=100, flops=1e9, bytes_accessed=1e9, estimated_step_s=0.5,
+                  analytic_flops=4e9, compile_s=1.0)
+    return StepPlan(**{**fields, **overrides})
+
+
+def test_fits_on_synthetic_numbers():
+    assert report.fits(_plan(), 100) is True
+    assert report.fits(_plan(), 99) is False
+    assert report.fits(_plan(), None) is None  # CPUs: nothing to judge by
+    assert report.fits(_plan(oom="RESOURCE_EXHAUSTED: ..."), 10**12) is False
+    assert report.tokens_per_s(_plan()) == 8 * 16 / 0.5
+    assert report.mfu(_plan(), 1e9) == 4e9 / 0.5 / (1e9 * 4)
+    assert report.mfu(_plan(estimated_step_s=None), 1e9) is None
+
+
+def test_grad_accum_alternatives_keep_microbatches_splittable():
+    assert knobs.max_grad_accum(64, 16) == 4
+    assert knobs.max_grad_accum(8, 8) == 1
+    assert knobs.stronger_remat("save_dots") == ("save_sublayer_outputs", "full")
+
+
+def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([*CONFIG, "--topology", "cpu:8", "--no-estimate", "--json", str(out),
+                 *TINY]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["num_devices"] == 8 and row["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert row["total_bytes"] >= row["temp_bytes"] > 0 and row["params_bytes"] > 0
+    assert row["fits"] is None  # no HBM figure for a CPU unless --hbm-gib
+    assert "not judged" in capsys.readouterr().out
+
+
+def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main([*CONFIG, "--topology", "cpu:8", "--hbm-gib", "0.0001", "--no-estimate",
+               "--json", str(out), *TINY, "model.remat=save_sublayer_outputs"])
+    assert rc == 1
+    (row,) = json.loads(out.read_text())
+    assert row["fits"] is False
+    changes = [alt["change"] for alt in row["alternatives"]]
+    assert changes == ["model.remat=full"]  # 8 rows over 8 devices: no room to accumulate
+    assert all(alt["total_bytes"] > 0 for alt in row["alternatives"])
+    text = capsys.readouterr().out
+    assert "does NOT fit" in text and "alternatives" in text
+
+
+@needs_libtpu
+def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", "--variants", "baseline,delta",
+                 "--json", str(out), *TINY]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["baseline", "delta"]
+    for row in rows:
+        assert row["hbm_bytes"] == 95 * 2**30 and row["fits"] is True
+        for key in ("params_bytes", "opt_state_bytes", "temp_bytes", "total_bytes", "flops",
+                    "bytes_accessed", "estimated_step_s", "estimated_mfu"):
+            assert row[key] > 0, key
+    text = capsys.readouterr().out
+    assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
+
+
+@needs_libtpu
+def test_tiny_model_over_a_small_hbm_override_does_not_fit(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", "--hbm-gib", "0.001", "--no-estimate",
+                 "--no-suggest", "--json", str(out), *TINY]) == 1
+    (row,) = json.loads(out.read_text())
+    assert row["fits"] is False and row["total_bytes"] > 0.001 * 2**30
+
+
+@pytest.mark.parametrize("name", ["v9z:2x2", "tpu", "cpu:zero"])
+def test_bad_topology_exits_2_listing_valid_names(name, capsys):
+    assert main([*CONFIG, "--topology", name, *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and name in err
+    if not name.startswith("cpu"):
+        assert "v5p" in err and "v6e" in err and "cpu:N" in err
+
+
+@needs_libtpu
+def test_invalid_slice_shape_exits_2(capsys):
+    assert main([*CONFIG, "--topology", "v5p:3x3x3", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "v5p:3x3x3" in err
+
+
+def test_missing_libtpu_gives_the_install_hint(monkeypatch, capsys):
+    real = importlib.import_module
+
+    def without_libtpu(name, *args):
+        if name == "libtpu":
+            raise ImportError("No module named 'libtpu'")
+        return real(name, *args)
+
+    monkeypatch.setattr(topology.importlib, "import_module", without_libtpu)
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'pip install "jax[tpu]==' in err
+
+
+def test_bad_override_and_variant_exit_2(capsys):
+    assert main([*CONFIG, "--topology", "cpu:8", "model.nope=1"]) == 2
+    assert main([*CONFIG, "--topology", "cpu:8", "--variants", "deltaa", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "model.nope" in err and "deltaa" in err
+
+
+@needs_libtpu
+def test_where_finds_the_smallest_slice(tmp_path):
+    from delta_jax.plan import where
+
+    out = tmp_path / "where.json"
+    assert where.main(["--configs", "configs/220m.yaml", "--chips", "v5e", "--json", str(out),
+                       *TINY]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["slice"], row["remat"], row["grad_accum"]) == ("1x1", "none", 1)
+    assert 0 < row["hbm_bytes"] <= row["hbm_per_device"]
+
+
+@needs_libtpu
+def test_multislice_puts_data_across_slices(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = [*CONFIG, "--topology", "v5p:2x2x1", "--num-slices", "2", "--no-estimate", *TINY]
+    assert main([*args, "--json", str(out), "mesh.data=2", "mesh.fsdp=-1"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["num_devices"] == 8 and row["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert main(args) == 2  # mesh.data=1 cannot span two slices
+    assert "multiple of the number of slices" in capsys.readouterr().err
