@@ -122,7 +122,7 @@ class ModelConfig:
         """block/full gated against the residual stream, which then travels in the carry."""
         return self.gate_base == "stream"
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def architecture(self) -> dict[str, Any]:
@@ -131,39 +131,39 @@ class ModelConfig:
 
     # Presets (docs/spec.md section 5) -------------------------------------------------------
     @classmethod
-    def tiny(cls, **overrides: Any) -> "ModelConfig":
+    def tiny(cls, **overrides: Any) -> ModelConfig:
         """The golden files' shape: fast enough for tests on two CPU cores."""
         base = dict(vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                     head_dim=8, intermediate_size=64, num_blocks=2)
         return cls(**{**base, **overrides})
 
     @classmethod
-    def paper_220m(cls, **overrides: Any) -> "ModelConfig":
+    def paper_220m(cls, **overrides: Any) -> ModelConfig:
         return cls(**{**dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
                              head_dim=64, intermediate_size=3072), **overrides})
 
     @classmethod
-    def paper_533m(cls, **overrides: Any) -> "ModelConfig":
+    def paper_533m(cls, **overrides: Any) -> ModelConfig:
         return cls(**{**dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=8,
                              head_dim=64, intermediate_size=4096), **overrides})
 
     @classmethod
-    def paper_1044m(cls, **overrides: Any) -> "ModelConfig":
+    def paper_1044m(cls, **overrides: Any) -> ModelConfig:
         return cls(**{**dict(hidden_size=1280, num_layers=36, num_heads=20, num_kv_heads=4,
                              head_dim=64, intermediate_size=5120), **overrides})
 
     @classmethod
-    def qwen3_0_6b(cls, **overrides: Any) -> "ModelConfig":
+    def qwen3_0_6b(cls, **overrides: Any) -> ModelConfig:
         return cls(**{**dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
                              head_dim=128, intermediate_size=3072, rope_theta=1e6), **overrides})
 
     @classmethod
-    def paper_8b(cls, **overrides: Any) -> "ModelConfig":
+    def paper_8b(cls, **overrides: Any) -> ModelConfig:
         return cls(**{**dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                              head_dim=128, intermediate_size=12288), **overrides})
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: expected one of {', '.join(PRESETS)}")
         return getattr(cls, PRESETS[name])(**overrides)

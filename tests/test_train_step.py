@@ -11,8 +11,7 @@ from delta_jax import ModelConfig
 from delta_jax.sharding import batch_sharding, make_mesh
 from delta_jax.train.config import OptimizerConfig
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import (abstract_graph_and_params, init_state, state_specs,
-                                   to_shardings)
+from delta_jax.train.state import abstract_graph_and_params, init_state, state_specs, to_shardings
 from delta_jax.train.step import make_train_step
 
 CFG = ModelConfig.tiny(residual="delta_block")  # vocab 128, d 32, 4 layers, H 4, KV 2, hd 8

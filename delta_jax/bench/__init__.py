@@ -16,14 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.sharding import batch_sharding
 from delta_jax.train.config import RunConfig
 from delta_jax.train.loop import build_mesh
 from delta_jax.train.metrics import device_peak_flops, train_flops_per_token
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import (abstract_graph_and_params, abstract_state, init_state,
-                                   state_specs, to_shardings)
+from delta_jax.train.state import (
+    abstract_graph_and_params,
+    abstract_state,
+    init_state,
+    state_specs,
+    to_shardings,
+)
 from delta_jax.train.step import make_train_step
-from delta_jax.sharding import batch_sharding
 
 
 def _xla_flops(compiled) -> float | None:

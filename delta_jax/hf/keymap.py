@@ -9,7 +9,8 @@ Per-layer tensors are stacked on a leading layer axis on our side. The reference
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np

@@ -8,8 +8,9 @@ validated before the first tensor is read, so a truncated or inconsistent folder
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

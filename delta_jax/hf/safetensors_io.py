@@ -15,8 +15,8 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np

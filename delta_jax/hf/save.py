@@ -14,16 +14,22 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
 from delta_jax.config import ModelConfig
-from delta_jax.hf.keymap import (ConversionError, active_rules, config_to_hf, gate_type, hf_names,
-                                 hf_shape)
+from delta_jax.hf.keymap import (
+    ConversionError,
+    active_rules,
+    config_to_hf,
+    gate_type,
+    hf_names,
+    hf_shape,
+)
 from delta_jax.hf.load import CONFIG, INDEX, TOKENIZER_FILES, WEIGHTS, dtype_name
 from delta_jax.hf.safetensors_io import TensorInfo, write_file
 from delta_jax.hf.state_dict import iter_hf_tensors

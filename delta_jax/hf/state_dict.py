@@ -9,7 +9,8 @@ checkpoint and only the routing parameters it lacks are initialised (`plan_conve
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
-from delta_jax.hf.keymap import (ATTNRES, ConversionError, KeyRule, active_rules,
-                                 config_from_hf, expected_hf_keys, hf_names, hf_shape)
+from delta_jax.hf.keymap import (
+    ATTNRES,
+    ConversionError,
+    KeyRule,
+    active_rules,
+    config_from_hf,
+    expected_hf_keys,
+    hf_names,
+    hf_shape,
+)
 from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.model.routing import RoutingSite
 from delta_jax.sharding import state_shardings

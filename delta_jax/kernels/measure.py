@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import topologies
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from delta_jax.config import ModelConfig
 from delta_jax.model.protocol import SourceBuffer

@@ -18,8 +18,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from delta_jax.model.layers import MLP, Attention, LayerCache, RMSNorm, dtype_of
-from delta_jax.model.protocol import (Carry, LayerContext, LayerOutput, ScheduleRow,
-                                      SourceBuffer, TokenState, Write)
+from delta_jax.model.protocol import (
+    Carry,
+    LayerContext,
+    LayerOutput,
+    ScheduleRow,
+    SourceBuffer,
+    TokenState,
+    Write,
+)
 from delta_jax.model.routing import RoutingSite
 
 

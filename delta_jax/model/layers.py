@@ -104,7 +104,7 @@ class Attention(nnx.Module):
         return jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 cache: "LayerCache | None" = None):
+                 cache: LayerCache | None = None):
         """x [B,T,D] -> ([B,T,D], the updated LayerCache or None), causal over T.
 
         With a cache, the T new tokens sit at cache positions [length, length + T) and attend
@@ -135,7 +135,7 @@ class LayerCache:
     length: jax.Array
     start: jax.Array
 
-    def append(self, k: jax.Array, v: jax.Array) -> "LayerCache":
+    def append(self, k: jax.Array, v: jax.Array) -> LayerCache:
         """Write k, v [B,T,K,hd] at [length, length + T); length itself advances in the model."""
         index = (0, self.length, 0, 0)
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), index),

@@ -20,8 +20,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # The planner only compiles: keep jax off any attached accelerator (and, with libtpu installed,
 # off probing for one); TPU topologies are reached through libtpu's compile-only devices.

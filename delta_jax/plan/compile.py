@@ -34,7 +34,12 @@ from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
 from delta_jax.train.config import RunConfig
 from delta_jax.train.metrics import train_flops_per_token
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import abstract_model, abstract_state, state_specs, to_shardings
+from delta_jax.train.state import (
+    abstract_graph_and_params,
+    abstract_state,
+    state_specs,
+    to_shardings,
+)
 from delta_jax.train.step import make_train_step
 
 
@@ -204,7 +209,7 @@ def _prepare(run: RunConfig, topology: Topology):
     mesh = build_mesh(sizes, topology)
     tx = make_optimizer(run.optimizer, train.steps)
     shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
-    graphdef, _ = abstract_model(cfg)
+    graphdef, _ = abstract_graph_and_params(cfg)
     step = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps), train.grad_accum,
                            shardings, mesh)
     state = abstract_state(cfg, tx, shardings)

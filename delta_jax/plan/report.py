@@ -7,7 +7,8 @@ program, never a measurement; tokens/s and MFU follow from it and the chip's pea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from delta_jax.plan.compile import StepPlan
 

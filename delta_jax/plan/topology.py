@@ -18,7 +18,8 @@ import re
 
 import jax
 
-from delta_jax.plan.chips import CHIPS, Chip, chip as chip_named
+from delta_jax.plan.chips import CHIPS, Chip
+from delta_jax.plan.chips import chip as chip_named
 
 
 class PlanError(ValueError):

@@ -16,8 +16,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
 

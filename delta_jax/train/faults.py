@@ -66,7 +66,7 @@ class StopSignals:
         logger.warning("%s received: checkpointing after the current step",
                        signal.Signals(signum).name)
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only
         for s in self.SIGNALS:

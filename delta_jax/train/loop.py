@@ -11,8 +11,9 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,11 +30,24 @@ from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import plots
 from delta_jax.train.checkpoints import Checkpointer
 from delta_jax.train.config import MeshConfig, RunConfig, dump_config
-from delta_jax.train.faults import (NonFiniteStop, Preempted, PreflightError, StopSignals,
-                                    check_writable, state_bytes)
+from delta_jax.train.faults import (
+    NonFiniteStop,
+    Preempted,
+    PreflightError,
+    StopSignals,
+    check_writable,
+    state_bytes,
+)
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import (TrainState, abstract_graph_and_params, abstract_state,
-                                   init_state, state_from_params, state_specs, to_shardings)
+from delta_jax.train.state import (
+    TrainState,
+    abstract_graph_and_params,
+    abstract_state,
+    init_state,
+    state_from_params,
+    state_specs,
+    to_shardings,
+)
 from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """End-of-run PNGs: the loss curve and the routing heatmap (sources x sites)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import matplotlib
 

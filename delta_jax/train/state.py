@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from delta_jax.config import ModelConfig
 from delta_jax.model.causal_lm import CausalLM, abstract_model

@@ -7,13 +7,14 @@ the state. Call them under `jax.set_mesh(mesh)` so that the model's activation c
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from delta_jax.sharding import batch_sharding
 from delta_jax.train.state import TrainState
