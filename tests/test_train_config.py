@@ -8,6 +8,7 @@ from delta_jax import count_params
 from delta_jax.config import ModelConfig
 from delta_jax.train.__main__ import main
 from delta_jax.train.config import RunConfig, dump_config, load_config
+from delta_jax.train.metrics import device_peak_flops
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # docs/spec.md section 5: parameter counts of the published shapes (the baseline variant).
@@ -105,3 +106,12 @@ def test_cli_prints_the_resolved_config_and_round_trips(tmp_path, capsys):
     assert dump_config(again) == printed
     with pytest.raises(SystemExit, match="unknown key"):
         main(["--config", str(CONFIGS / "demo.yaml"), "train.nope=1"])
+
+
+@pytest.mark.parametrize("device_kind, tflops", [
+    ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918), ("TPU v4", 275),
+    ("NVIDIA H100 80GB HBM3", 989), ("cpu", None)])
+def test_peak_flops_by_device_kind(device_kind, tflops):
+    """MFU's denominator: v5p reports "TPU v5", v5e "TPU v5 lite"."""
+    peak = device_peak_flops(device_kind)
+    assert (peak is None) if tflops is None else peak == tflops * 1e12

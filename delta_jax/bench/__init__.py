@@ -109,6 +109,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         rows.append(
             f"{r['variant']:12} {r['driver']:9} {step:>15} {tps:>10} "
             f"{temp:>8.1f}{_ratio(r['temp_bytes'], base.get('temp_bytes')):>9} "
-            f"{r['compile_time_s']:>6.1f}{_ratio(r['compile_time_s'], base.get('compile_time_s')):>9}"
+            f"{r['compile_time_s']:>6.1f}"
+            f"{_ratio(r['compile_time_s'], base.get('compile_time_s')):>9}"
             f" {r['analytic_flops'] / 1e9:>9.1f}")
     return "\n".join(rows)

@@ -45,15 +45,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m delta_jax.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser("prepare", help="tokenise text/JSONL/Parquet files into ArrayRecord shards",
+    p = commands.add_parser("prepare",
+                            help="tokenise text/JSONL/Parquet files into ArrayRecord shards",
                             description="Tokenise documents, join them with EOS, hold out a "
                             "validation split by document, and write ArrayRecord shards with "
                             "metadata.json (format: delta_jax/data/prepare.py).")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help=".txt/.md (one document per file), .jsonl, .parquet files or directories")
-    p.add_argument("--tokenizer", default="byte", help="byte, qwen3, or a tokenizer.json path (default: byte)")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte, qwen3, or a tokenizer.json path (default: byte)")
     p.add_argument("--output", required=True, metavar="DIR", help="new directory for the shards")
-    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column (default: text)")
+    p.add_argument("--text-field", default="text",
+                   help="JSONL field / Parquet column (default: text)")
     p.add_argument("--validation-fraction", type=float, default=0.01,
                    help="share of documents held out for validation (default: 0.01)")
     p.add_argument("--record-tokens", type=int, default=8192,
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="tokenising processes; 0 tokenises in this one (default: all cores)")
     p.set_defaults(run=_prepare)
 
-    v = commands.add_parser("verify", help="check a prepared directory's shards against metadata.json")
+    v = commands.add_parser("verify",
+                            help="check a prepared directory's shards against metadata.json")
     v.add_argument("data_dir", metavar="DIR")
     v.set_defaults(run=_verify)
 

@@ -59,7 +59,8 @@ def iter_corpus() -> Iterator[dict]:
 
 
 def build_default_corpus(out_dir: str | os.PathLike) -> Path:
-    """Writes the corpus as JSONL (field "text") plus corpus.json into `out_dir`; returns the JSONL path.
+    """Writes the corpus as JSONL (field "text") plus corpus.json into `out_dir`; returns the JSONL
+    path.
 
     Deterministic for a given Python installation; the files appear atomically.
     """
@@ -85,12 +86,14 @@ def build_default_corpus(out_dir: str | os.PathLike) -> Path:
 
 
 def default_prepared_data(cache_dir: str | os.PathLike, seq_len: int | None = None) -> Path:
-    """The default corpus, tokenised with the byte tokenizer, under `cache_dir` (built on first use).
+    """The default corpus, tokenised with the byte tokenizer, under `cache_dir` (built on first
+    use).
 
     Safe to call from several processes at once. With `seq_len`, checks that both splits hold at
     least one window of seq_len + 1 tokens. Returns the prepared data directory.
     """
-    root = Path(cache_dir) / f"stdlib-{platform.python_implementation().lower()}{platform.python_version()}"
+    root = Path(cache_dir) / (f"stdlib-{platform.python_implementation().lower()}"
+                              f"{platform.python_version()}")
     data_dir = root / "byte"
     if not (data_dir / METADATA).is_file():
         corpus = build_default_corpus(root)

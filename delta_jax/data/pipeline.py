@@ -57,9 +57,11 @@ class PreparedSplit:
         except json.JSONDecodeError as e:
             raise ValueError(f"{meta_path}: not valid JSON ({e})") from None
         if self.metadata.get("format") != FORMAT:
-            raise ValueError(f"{meta_path}: format {self.metadata.get('format')!r}, expected {FORMAT!r}")
+            raise ValueError(f"{meta_path}: format {self.metadata.get('format')!r}, "
+                             f"expected {FORMAT!r}")
         if split not in self.metadata["splits"]:
-            raise ValueError(f"{meta_path}: no split {split!r} (splits: {', '.join(self.metadata['splits'])})")
+            raise ValueError(f"{meta_path}: no split {split!r} "
+                             f"(splits: {', '.join(self.metadata['splits'])})")
         info = self.metadata["splits"][split]
         if info["num_tokens"] == 0:
             raise ValueError(f"{meta_path}: split {split!r} is empty (validation_fraction was "
@@ -87,14 +89,17 @@ class PreparedSplit:
         except Exception as e:  # a corrupt file fails inside ArrayRecord with its own message
             raise ValueError(f"{self._where(r)}: unreadable ({e}); check the shards with "
                              f"`python -m delta_jax.data verify {self.data_dir}`") from e
-        if len(tokens) != (expected := min(self.record_tokens, self.num_tokens - r * self.record_tokens)):
-            raise ValueError(f"{self._where(r)}: holds {len(tokens)} tokens, the format says {expected}")
+        if len(tokens) != (expected := min(self.record_tokens,
+                                           self.num_tokens - r * self.record_tokens)):
+            raise ValueError(f"{self._where(r)}: holds {len(tokens)} tokens, "
+                             f"the format says {expected}")
         return tokens
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's stream as int32 [stop - start]."""
         if not 0 <= start < stop <= self.num_tokens:
-            raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.num_tokens}) of {self.split!r}")
+            raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.num_tokens}) "
+                             f"of {self.split!r}")
         first, last = start // self.record_tokens, (stop - 1) // self.record_tokens
         tokens = np.concatenate([self._record(r) for r in range(first, last + 1)])
         offset = first * self.record_tokens
@@ -142,14 +147,17 @@ class TokenWindows:
 def make_window_source(data_dir: str | os.PathLike, *, split: str, seq_len: int,
                        verify_checksums: bool = False) -> grain.MapDataset:
     """The windows [T + 1] of a prepared split as a (random-access) grain.MapDataset."""
-    windows = TokenWindows(PreparedSplit(data_dir, split, verify_checksums=verify_checksums), seq_len)
+    windows = TokenWindows(PreparedSplit(data_dir, split, verify_checksums=verify_checksums),
+                           seq_len)
     if len(windows) == 0:
-        raise ValueError(f"{data_dir}: split {split!r} has fewer than seq_len + 1 = {seq_len + 1} tokens")
+        raise ValueError(f"{data_dir}: split {split!r} has fewer than "
+                         f"seq_len + 1 = {seq_len + 1} tokens")
     return grain.MapDataset.source(windows)
 
 
 class _GatherRows:
-    """Step s -> this process's rows of global batch s: windows s*B + offset + [0, L), [L, T + 1]."""
+    """Step s -> this process's rows of global batch s: windows s*B + offset + [0, L),
+    [L, T + 1]."""
 
     def __init__(self, windows: grain.MapDataset, global_batch: int, offset: int, local_batch: int):
         self._windows, self._b, self._offset, self._l = windows, global_batch, offset, local_batch
@@ -262,11 +270,11 @@ def _tfds_windows(spec: str, *, split: str, seq_len: int, seed: int, shuffle: bo
     return _PackWindows(docs.to_iter_dataset(read_options), seq_len + 1, seq_len)
 
 
-def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int, global_batch_size: int,
-                         seed: int, shuffle: bool = True, num_epochs: int | None = None,
-                         process_index: int | None = None, process_count: int | None = None,
-                         verify_checksums: bool = False, num_threads: int = 2,
-                         prefetch: int = 4) -> grain.DatasetIterator:
+def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int,
+                         global_batch_size: int, seed: int, shuffle: bool = True,
+                         num_epochs: int | None = None, process_index: int | None = None,
+                         process_count: int | None = None, verify_checksums: bool = False,
+                         num_threads: int = 2, prefetch: int = 4) -> grain.DatasetIterator:
     """This process's batches {"input_ids", "labels"}: int32 [B / P, T] each (see the module doc).
 
     `data` is a prepared directory or a "tfds:NAME?..." spec. `num_epochs=None` repeats forever;
@@ -276,10 +284,12 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int, g
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if seq_len < 1 or global_batch_size < 1:
-        raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) must be positive")
+        raise ValueError(f"seq_len ({seq_len}) and global_batch_size ({global_batch_size}) "
+                         "must be positive")
     if global_batch_size % process_count or not 0 <= process_index < process_count:
         raise ValueError(f"global_batch_size {global_batch_size} must split evenly over "
-                         f"{process_count} processes, and process_index {process_index} be below it")
+                         f"{process_count} processes, and process_index {process_index} "
+                         "be below it")
     local = global_batch_size // process_count
     read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     if str(data).startswith("tfds:"):
@@ -287,7 +297,8 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int, g
                                 shuffle=shuffle, num_epochs=num_epochs, process_index=process_index,
                                 process_count=process_count, read_options=read_options)
         return iter(windows.batch(local, drop_remainder=True).map(_inputs_and_labels))
-    windows = make_window_source(data, split=split, seq_len=seq_len, verify_checksums=verify_checksums)
+    windows = make_window_source(data, split=split, seq_len=seq_len,
+                                 verify_checksums=verify_checksums)
     if shuffle:
         windows = windows.shuffle(seed)
     windows = windows.repeat(num_epochs)
@@ -303,13 +314,16 @@ def build_eval_iterator(data: str | os.PathLike, *, seq_len: int, global_batch_s
                         split: str = "validation", process_index: int | None = None,
                         process_count: int | None = None, verify_checksums: bool = False
                         ) -> grain.DatasetIterator:
-    """One pass over `split` in order, without shuffling; windows past the last full batch dropped."""
-    return build_batch_iterator(data, split=split, seq_len=seq_len, global_batch_size=global_batch_size,
-                                seed=0, shuffle=False, num_epochs=1, process_index=process_index,
+    """One pass over `split` in order, without shuffling; windows past the last full batch
+    dropped."""
+    return build_batch_iterator(data, split=split, seq_len=seq_len,
+                                global_batch_size=global_batch_size, seed=0, shuffle=False,
+                                num_epochs=1, process_index=process_index,
                                 process_count=process_count, verify_checksums=verify_checksums)
 
 
 def to_global_array(local_batch: dict[str, np.ndarray],
                     sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
-    """Assembles each process's [L, T] arrays into global [B, T] jax.Arrays laid out by `sharding`."""
+    """Assembles each process's [L, T] arrays into global [B, T] jax.Arrays laid out by
+    `sharding`."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

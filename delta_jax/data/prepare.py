@@ -1,4 +1,5 @@
-"""Text, JSONL and Parquet files -> tokenised ArrayRecord shards (`python -m delta_jax.data prepare`).
+"""Text, JSONL and Parquet files -> tokenised ArrayRecord shards
+(`python -m delta_jax.data prepare`).
 
 Inputs: .txt/.md (one document per file), .jsonl (one per line, the string field `text_field`),
 .parquet (one per row, the string column `text_field`; a FineWeb-Edu download is such files).
@@ -59,7 +60,8 @@ def find_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
             files += found
         elif p.is_file():
             if p.suffix not in SUFFIXES:
-                raise ValueError(f"{p}: unsupported file type {p.suffix!r} (expected one of {SUFFIXES})")
+                raise ValueError(f"{p}: unsupported file type {p.suffix!r} "
+                                 f"(expected one of {SUFFIXES})")
             files.append(p)
         else:
             raise FileNotFoundError(f"{p}: no such file or directory")
@@ -74,7 +76,8 @@ def _decode(data: bytes, where: str) -> str:
 
 
 def iter_documents(path: Path, text_field: str = "text") -> Iterator[tuple[str, float]]:
-    """Yields (document text, bytes of `path` it accounts for) -- the latter drives the progress bar."""
+    """Yields (document text, bytes of `path` it accounts for) -- the latter drives the progress
+    bar."""
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"{path}: empty file")
@@ -102,7 +105,8 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, float]]:
             if field not in record:
                 raise ValueError(f"{where}: no field {field!r} (fields: {', '.join(record)})")
             if not isinstance(text := record[field], str):
-                raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, expected a string")
+                raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, "
+                                 "expected a string")
             seen = True
             yield text, len(line)
     if not seen:
@@ -208,9 +212,11 @@ def _tokenized(batches, spec: str, fraction: float, workers: int) -> Iterator[tu
 
 
 class _SplitWriter:
-    """Cuts one split's token stream into full records and rolls shards (see the module docstring)."""
+    """Cuts one split's token stream into full records and rolls shards (see the module
+    docstring)."""
 
-    def __init__(self, root: Path, split: str, dtype: np.dtype, record_tokens: int, shard_records: int):
+    def __init__(self, root: Path, split: str, dtype: np.dtype, record_tokens: int,
+                 shard_records: int):
         self._root, self._split = root, split
         self._dtype = dtype.newbyteorder("<")
         self._record_tokens, self._shard_records = record_tokens, shard_records
@@ -266,7 +272,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, 
             tokenizer: str = "byte", validation_fraction: float = 0.01, text_field: str = "text",
             record_tokens: int = 8192, shard_tokens: int = 1 << 26, workers: int = 0,
             progress: bool = True) -> dict:
-    """Tokenises `inputs` into `output_dir` (which must not exist or be empty); returns the metadata.
+    """Tokenises `inputs` into `output_dir` (which must not exist or be empty); returns the
+    metadata.
 
     inputs: files or directories (module docstring). tokenizer: a `get_tokenizer` spec.
     record_tokens: tokens per record, the unit of a random read. shard_tokens: tokens per file.
@@ -277,7 +284,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, 
     if not 0 <= validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
     if record_tokens < 1 or shard_tokens < record_tokens:
-        raise ValueError(f"need 1 <= record_tokens <= shard_tokens, got {record_tokens}, {shard_tokens}")
+        raise ValueError("need 1 <= record_tokens <= shard_tokens, "
+                         f"got {record_tokens}, {shard_tokens}")
     out = Path(output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: exists and is not an empty directory; choose a new output")
@@ -299,7 +307,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, 
                     writer.write(*result[split])
                 empty += result["empty"]
                 bar.update(nbytes)
-                bar.set_postfix(tokens=writers["train"].num_tokens + writers["validation"].num_tokens)
+                bar.set_postfix(tokens=writers["train"].num_tokens
+                                + writers["validation"].num_tokens)
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["num_tokens"] == 0:
             raise ValueError(f"no non-empty training document in {[str(f) for f in files]}")

@@ -59,7 +59,8 @@ class Tokenizer(abc.ABC):
         return np.asarray(self.encode(text), dtype=np.int64)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+        return (f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
+                f"eos_id={self.eos_id})")
 
 
 class ByteTokenizer(Tokenizer):
@@ -155,7 +156,8 @@ class HFTokenizer(Tokenizer):
 
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by `spec`: "byte", "qwen3", or a path to a tokenizer.json (or its folder)."""
+    """The tokenizer named by `spec`: "byte", "qwen3", or a path to a tokenizer.json (or its
+    folder)."""
     if spec == "byte":
         return ByteTokenizer()
     if spec == "qwen3":

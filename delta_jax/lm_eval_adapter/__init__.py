@@ -5,8 +5,9 @@
         --tasks hellaswag
 
 runs lm-eval's own command line (__main__.py) with this model registered (plain `lm_eval` does
-not import it). From Python: `lm_eval.simple_evaluate(model=DeltaJaxLM(pretrained=PATH), tasks=[...])`.
-Requires `pip install lm_eval==0.4.13`.
+not import it). From Python:
+`lm_eval.simple_evaluate(model=DeltaJaxLM(pretrained=PATH), tasks=[...])`. Requires
+`pip install lm_eval==0.4.13`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Training metrics: analytic FLOPs and MFU, the progress line, metrics.jsonl and TensorBoard.
 
-Every process prints the progress line (so a diverging host shows); only process 0 writes files. metrics.jsonl holds one JSON object per step that logged anything
-(training scalars every train.log_every steps, validation and routing statistics at their own
-intervals); NaN becomes null.
+Every process prints the progress line (so a diverging host shows); only process 0 writes files.
+metrics.jsonl holds one JSON object per step that logged anything (training scalars every
+train.log_every steps, validation and routing statistics at their own intervals); NaN becomes
+null.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ PEAK_FLOPS = (
     ("L40S", 362e12),
     ("A10", 125e12),
     ("TPU v6", 918e12),  # Trillium ("TPU v6 lite")
-    ("TPU v5p", 459e12),
-    ("TPU v5", 197e12),  # v5e ("TPU v5 lite")
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5", 459e12),  # v5p reports its kind as "TPU v5"
     ("TPU v4", 275e12),
     ("TPU v3", 123e12),
 )
@@ -80,7 +81,9 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, record: dict[str, Any]) -> str:
-    """`step 120/400 | loss 2.3456 | lr 1.2e-03 | gnorm 0.53 | 12,345 tok/s | mfu 41.2% | eta 3m05s`."""
+    """
+    `step 120/400 | loss 2.3456 | lr 1.2e-03 | gnorm 0.53 | 12,345 tok/s | mfu 41.2% | eta 3m05s`.
+    """
     parts = [f"step {step}/{total}"]
     if "loss" in record:
         def num(key, fmt):  # null: every step of the window was skipped as non-finite
