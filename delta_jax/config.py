@@ -16,10 +16,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
+ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
-# Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver)
-# only change how the same function is computed; checkpoints may move between them.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver")
+# Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
+# attention) only change how the same function is computed; checkpoints may move between them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights)
     remat: str = "none"
     layer_driver: str = "lean"
+    # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
+    # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
+    # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
+    # cache always takes the XLA masked path.
+    attention: str = "xla"
 
     def __post_init__(self):
         def fail(field: str, allowed: str):
@@ -79,6 +85,12 @@ class ModelConfig:
                                ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
+        if self.attention not in ATTENTION_KINDS:
+            fail("attention", "one of " + ", ".join(ATTENTION_KINDS))
+        if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
+                "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         if not self.rms_norm_eps > 0:
             fail("rms_norm_eps", "a positive float")
         if not self.rope_theta > 0:
