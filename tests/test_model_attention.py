@@ -74,9 +74,12 @@ def model_loss_and_grads(cfg, ids, params_from):
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
 
 
-@pytest.mark.parametrize("residual", ["baseline", "delta"])
-def test_model_with_splash_matches_xla(residual):
-    cfg = ModelConfig.tiny(init_std=0.2, residual=residual)
+@pytest.mark.parametrize("residual,runtime", [
+    ("baseline", {}), ("delta", {}),
+    ("delta_block", dict(remat="save_dots", layer_driver="scan")),  # the kernel under remat
+], ids=["baseline", "delta", "delta_block-remat"])
+def test_model_with_splash_matches_xla(residual, runtime):
+    cfg = ModelConfig.tiny(init_std=0.2, residual=residual, **runtime)
     ids = jax.random.randint(jax.random.key(1), (2, 129), 0, cfg.vocab_size)
     model = init_model(cfg, 3)
     (loss, logits), grads = model_loss_and_grads(cfg.replace(attention="splash"), ids, model)

@@ -25,8 +25,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from delta_jax.sharding import logical_to_spec
 
-# Largest first: 512 is where splash's forward and backward tiles reach the MXU's throughput at
-# hd 64..128 (MaxText's default); T need only be a multiple of the smallest.
+# Largest first: 512 is MaxText's default tile (larger tiles amortise the per-block overhead,
+# smaller ones skip more of the causal triangle); T need only be a multiple of the smallest.
 SPLASH_BLOCKS = (512, 256, 128)
 
 
@@ -112,7 +112,8 @@ def sharded_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         groups = q.shape[2] // k.shape[2]
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     kv_spec = logical_to_spec(axes, k.shape, mesh_shape)
-    # check_vma off: the Pallas call inside has no replication rule to check against.
+    # check_vma off: splash's pallas_call declares its outputs without the varying-axes types
+    # that the check needs (jax asks for check_vma=False or typed outputs).
     per_device = jax.shard_map(
         lambda q, k, v: splash_attention(q, k, v, scale=scale, interpret=interpret),
         mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
