@@ -17,10 +17,12 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
 ROUTING_KERNELS = ("xla", "pallas")
+ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# routing_kernel) only change how the same function is computed; checkpoints may move between them.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "routing_kernel")
+# routing_kernel, attention) only change how the same function is computed; checkpoints may move
+# between them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "routing_kernel", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,11 @@ class ModelConfig:
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
     routing_kernel: str = "xla"
+    # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
+    # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
+    # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
+    # cache always takes the XLA masked path.
+    attention: str = "xla"
 
     def __post_init__(self):
         def fail(field: str, allowed: str):
@@ -81,9 +88,13 @@ class ModelConfig:
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
                                ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES),
-                               ("routing_kernel", ROUTING_KERNELS)):
+                               ("routing_kernel", ROUTING_KERNELS), ("attention", ATTENTION_KINDS)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
+        if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(
+                f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
+                "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         if not self.rms_norm_eps > 0:
             fail("rms_norm_eps", "a positive float")
         if not self.rope_theta > 0:

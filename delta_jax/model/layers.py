@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from delta_jax.model.attention_kernels import causal_attention
 from delta_jax.sharding import constrain
 
 
@@ -74,13 +75,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal GQA attention with per-head q/k RMSNorm before RoPE; no biases."""
+    """Causal GQA attention with per-head q/k RMSNorm before RoPE; no biases.
+
+    Without a cache the kernel is `cfg.attention` (xla, splash or cudnn; attention_kernels.py);
+    with one, the XLA masked path, whose mask depends on the cache's runtime length and rows.
+    """
 
     def __init__(self, cfg, rngs: nnx.Rngs, *, stack: int | None = None):
         d, h, k, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pd, std = dtype_of(cfg.param_dtype), cfg.init_std
         self.num_heads, self.head_dim, self.eps = h, hd, cfg.rms_norm_eps
         self.dtype = dtype_of(cfg.dtype)
+        self.kernel = cfg.attention
         kw = dict(init="normal", std=std, dtype=pd, stack=stack)
         self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), **kw)
         self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), **kw)
@@ -114,9 +120,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "seq", "act_heads", None))
         scale = self.head_dim ** -0.5
         if cache is None:
-            # The XLA path runs everywhere; on GPUs jax may pick cuDNN's fused kernel.
-            return self.output(jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                            scale=scale)), None
+            return self.output(causal_attention(q, k, v, kind=self.kernel, scale=scale)), None
         cache = cache.append(k, v)
         attended = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=cache.mask(q.shape[1]),
                                                 scale=scale)
