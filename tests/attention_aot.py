@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=459.0,
                         help="bf16 peak per device (v5p: 459)")
     args = parser.parse_args()
+    import jax
+
     from delta_jax.config import ModelConfig
     from delta_jax.model.attention_kernels import splash_block
 
@@ -101,15 +104,17 @@ def main() -> None:
     peak = args.peak_tflops * 1e12
     kinds = args.kinds.split(",")
 
-    def estimates(compiled, seq, batch, kind, layers) -> str:
-        """est. step | + splash kernel at peak | bytes accessed | flops, per device."""
+    def estimates(compiled, seq, batch, kind, layers, times=1) -> str:
+        """est. step | + splash kernel at peak | bytes accessed | flops, per device, for `batch`
+        rows per device, all multiplied by `times` (a program compiled for a part of the batch).
+        """
         c = cost(compiled)
         estimate = c.get("optimal_seconds", float("nan"))
         kernel = (splash_flops(layers, batch, seq, cfg.num_heads, cfg.head_dim,
                                splash_block(seq)) / peak if kind == "splash" else 0.0)
-        return (f"{estimate:.4f} | {estimate + kernel:.4f} | "
-                f"{c.get('bytes accessed', float('nan')) / 1e9:.1f} | "
-                f"{c.get('flops', float('nan')) / 1e12:.2f}")
+        return (f"{times * estimate:.4f} | {times * (estimate + kernel):.4f} | "
+                f"{times * c.get('bytes accessed', float('nan')) / 1e9:.1f} | "
+                f"{times * c.get('flops', float('nan')) / 1e12:.2f}")
 
     temp = lambda compiled: f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f}"
     columns = ("est. step (s) | + splash kernel at peak (s) | bytes accessed/device (GB) | "
@@ -124,15 +129,25 @@ def main() -> None:
     for seq in map(int, args.seq_lens.split(",")):
         batch = args.tokens_per_device * n // seq
         for kind in kinds:
-            compiled = {driver: compile_train_step(
+            step = lambda driver, rows: compile_train_step(
                 [f"model.attention={kind}", f"model.residual={args.residual}",
                  f"model.layer_driver={driver}", f"train.seq_len={seq}",
-                 f"train.batch_size={batch}"], devices, dict(data=1, fsdp=n, tensor=1))
-                for driver in ("lean", "unrolled")}
-            print(f"| {seq} | {batch // n} | {kind} | {temp(compiled['lean'])} | "
-                  f"{temp(compiled['unrolled'])} | "
-                  f"{estimates(compiled['unrolled'], seq, batch // n, kind, cfg.num_layers)} |",
-                  flush=True)
+                 f"train.batch_size={rows}"], devices, dict(data=1, fsdp=n, tensor=1))
+            lean = step("lean", batch)
+            try:
+                unrolled, times = step("unrolled", batch), 1
+                unrolled_temp = temp(unrolled)
+            except jax.errors.JaxRuntimeError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                # Too big for HBM unrolled: estimate from half the batch, doubled (which counts
+                # the batch-independent optimizer update twice, a small part of the step).
+                needed = re.search(r"temporaries \(([0-9.]+\w)\)", str(error))
+                unrolled_temp = f"does not fit ({needed.group(1) if needed else '?'}iB)"
+                unrolled, times = step("unrolled", batch // 2), 2
+            print(f"| {seq} | {batch // n} | {kind} | {temp(lean)} | {unrolled_temp} | "
+                  f"{estimates(unrolled, seq, batch // n // times, kind, cfg.num_layers, times)}"
+                  f"{' (half batch x2)' if times > 1 else ''} |", flush=True)
 
     print(f"\nOne attention call (q [B,T,{cfg.num_heads},{cfg.head_dim}], kv "
           f"{cfg.num_kv_heads} heads, bf16), forward and backward, same batch per device:")
