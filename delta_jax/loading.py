@@ -12,6 +12,7 @@ None (the tools then take and print token ids).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import urllib.parse
 from pathlib import Path
@@ -63,6 +64,12 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
     tok = get_tokenizer(tokenizer) if tokenizer is not None else None
     return model, tok
 
+
+
+def load_model_from_args(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer | None]:
+    """load_model for a command built with cli.add_model_arguments and a --tokenizer option."""
+    return load_model(args.model, tokenizer=args.tokenizer or None, step=args.step,
+                      **({"dtype": args.dtype} if args.dtype else {}))
 
 def data_tokenizer(data: str) -> str | None:
     """The tokenizer spec a data source was tokenised with: "embedded" (the trainer's default

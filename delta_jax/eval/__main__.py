@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from delta_jax.cli import add_model_arguments, setup_logging
-from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import perplexity, read_stream
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,10 +39,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for name in ("seq_len", "batch_size", "stride", "max_tokens"):
             if (value := getattr(args, name)) is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
-        overrides = {"dtype": args.dtype} if args.dtype else {}
-        model, tokenizer = load_model(args.model, step=args.step, **overrides)
-        if args.tokenizer:
-            tokenizer = get_tokenizer(args.tokenizer)
+        model, tokenizer = load_model_from_args(args)
         stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                              max_tokens=args.max_tokens)
         result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 
 from delta_jax.cli import add_model_arguments, setup_logging
-from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
+from delta_jax.data.tokenizers import Tokenizer
 from delta_jax.generate import Sampling, decode_memory, generate
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model_from_args
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -54,10 +54,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        model, tokenizer = load_model(args.model, step=args.step,
-                                      **({"dtype": args.dtype} if args.dtype else {}))
-        if args.tokenizer:
-            tokenizer = get_tokenizer(args.tokenizer)
+        model, tokenizer = load_model_from_args(args)
         prompts = _prompts(args, tokenizer)
         sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p)
