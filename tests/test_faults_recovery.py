@@ -2,6 +2,7 @@
 steps, failed preflight checks. Wherever the run can go on, it must end bitwise equal (losses and
 parameters) to the uninterrupted run of test_train_loop's config."""
 import dataclasses
+import logging
 import os
 import random
 import re
@@ -131,18 +132,61 @@ def test_a_damaged_newest_checkpoint_falls_back(straight, data_dir, root, damage
         shutil.rmtree(newest / "opt_state")
     else:
         (newest / "model_config" / "metadata").write_text("{not json")
-    cfg = config(data_dir, out)
+    cfg = config(data_dir, out, "checkpoint.retry_wait_s=0.01")
     trainer = Trainer(cfg)
     with jax.set_mesh(trainer.mesh):
         state, origin = trainer.initial_state()
     trainer.checkpointer.close()
     assert origin == f"resumed from {out / 'checkpoints' / '3'}"
     assert int(state.step) == 3
-    [line] = [r.getMessage() for r in caplog.records if "damaged checkpoint" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    # Read three times (checkpoint.read_retries=2 by default) before it counts as damaged.
+    assert [m.split("; ")[1] for m in messages if str(newest) in m and "failed" in m] == [
+        "retry 1 of 2 in 0.0 s", "retry 2 of 2 in 0.0 s"]
+    [line] = [m for m in messages if "damaged checkpoint" in m]
     assert str(newest) in line and (out / "checkpoints" / f"{STEPS}.corrupt").is_dir()
     if damage == "truncate":  # training on from step 3 rewrites step 6 as before
         run(cfg)
         assert_same_run(out, straight)
+
+
+class FilesAppearOnRetry(logging.Handler):
+    """A store whose first read of a checkpoint finds files missing (as an object store that is
+    not yet consistent, or a flaky network filesystem, does): `hidden` is moved back into place
+    when the checkpointer logs its first retry."""
+
+    def __init__(self, hidden: Path, place: Path):
+        super().__init__()
+        self.hidden, self.place, self.failures = hidden, place, 0
+
+    def emit(self, record):
+        if "retry 1 of" in record.getMessage():
+            self.failures += 1
+            self.hidden.rename(self.place)
+
+
+def test_a_read_that_fails_at_first_is_retried_not_called_damaged(straight, data_dir,  # noqa: F811
+                                                                  root, caplog):
+    out = root / "flaky_read"
+    shutil.copytree(straight, out)
+    item = out / "checkpoints" / str(STEPS) / "opt_state"
+    item.rename(item.with_name("opt_state.unavailable"))
+    flaky = FilesAppearOnRetry(item.with_name("opt_state.unavailable"), item)
+    logging.getLogger("delta_jax.train.checkpoints").addHandler(flaky)
+    try:
+        trainer = Trainer(config(data_dir, out, "checkpoint.retry_wait_s=0.01"))
+        with jax.set_mesh(trainer.mesh):
+            state, origin = trainer.initial_state()
+        trainer.checkpointer.close()
+    finally:
+        logging.getLogger("delta_jax.train.checkpoints").removeHandler(flaky)
+    assert flaky.failures == 1  # the first read did fail
+    assert origin == f"resumed from {out / 'checkpoints' / str(STEPS)}" and int(state.step) == STEPS
+    assert not any("damaged" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3", str(STEPS)]
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
+                    jax.tree.leaves(params_at(straight, STEPS))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_nan_steps_are_skipped_without_touching_the_state(data_dir, root):  # noqa: F811

@@ -11,14 +11,19 @@ Saves are asynchronous: `save` returns once the arrays are copied to host memory
 step may donate them. Orbax finalises a step directory atomically, so `latest_step` only ever
 names a complete checkpoint (a save killed midway leaves a temporary directory, removed at the
 next start). A complete but damaged one (truncated or deleted files) is only found by reading
-it: the trainer then `quarantine`s it and falls back to the previous step. Restoring takes a
+it: a failed read is retried (checkpoint.read_retries, with a doubling wait: a remote store's
+errors are often transient), and if it still fails the trainer `quarantine`s the step and falls
+back to the previous one. Restoring takes a
 target state whose leaves carry the shardings of the current mesh, which may differ from the
 one that saved.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grain
 import jax
@@ -35,6 +40,9 @@ OPT_STATE = "opt_state"
 RUN = "run"
 DATA = "data"
 
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
 
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig):
@@ -44,6 +52,24 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(
                 max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
                 cleanup_tmp_directories=True))
+        self.read_retries, self.retry_wait_s = cfg.read_retries, cfg.retry_wait_s
+
+    def _read(self, step: int, what: str, read: Callable[[], T]) -> T:
+        """`read()`, tried again read_retries times (waits retry_wait_s, doubling) if it raises;
+        the last error propagates."""
+        for attempt in range(self.read_retries + 1):
+            try:
+                return read()
+            except Exception as e:  # noqa: BLE001 (any reader error may be transient)
+                if attempt == self.read_retries:
+                    raise
+                wait = self.retry_wait_s * 2 ** attempt
+                first_line = (str(e).strip().splitlines() or [""])[0][:200]
+                logger.warning("reading the %s of checkpoint %s failed (%s: %s); retry %d of %d "
+                               "in %.1f s", what, self.directory / str(step), type(e).__name__,
+                               first_line, attempt + 1, self.read_retries, wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -54,8 +80,9 @@ class Checkpointer:
 
     def restore_configs(self, step: int) -> tuple[ModelConfig, dict]:
         """(the saved ModelConfig, the run record) without reading any array."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            **{MODEL_CONFIG: ocp.args.JsonRestore(), RUN: ocp.args.JsonRestore()}))
+        restored = self._read(step, "configs", lambda: self._manager.restore(
+            step, args=ocp.args.Composite(**{MODEL_CONFIG: ocp.args.JsonRestore(),
+                                             RUN: ocp.args.JsonRestore()})))
         where = self.directory / str(step) / MODEL_CONFIG
         return config_from_json(restored[MODEL_CONFIG], source=str(where)), restored[RUN]
 
@@ -101,7 +128,8 @@ class Checkpointer:
         data_restored = (self.directory / str(step) / DATA / process_file).exists()
         if data_restored:
             items[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored = self._read(step, "state",
+                              lambda: self._manager.restore(step, args=ocp.args.Composite(**items)))
         where = self.directory / str(step)
         model_config = config_from_json(restored[MODEL_CONFIG], source=f"{where}/{MODEL_CONFIG}")
         run = restored[RUN]

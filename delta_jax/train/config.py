@@ -79,6 +79,10 @@ class CheckpointConfig:
     async_save: bool = True
     # Continue from the newest complete checkpoint; false refuses to start over existing ones.
     resume: bool = True
+    # A failed read of a checkpoint is tried again this many times, after retry_wait_s, then
+    # twice that, ..., before the checkpoint counts as damaged: remote stores fail transiently.
+    read_retries: int = 2
+    retry_wait_s: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,10 @@ class RunConfig:
             (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
              "an integer >= 1"),
+            (self.checkpoint.read_retries >= 0, "checkpoint.read_retries",
+             self.checkpoint.read_retries, "an integer >= 0"),
+            (self.checkpoint.retry_wait_s >= 0, "checkpoint.retry_wait_s",
+             self.checkpoint.retry_wait_s, "a number of seconds >= 0"),
             (sum(getattr(self.mesh, a) == -1 for a in ("data", "fsdp", "tensor")) <= 1
              and all(getattr(self.mesh, a) == -1 or getattr(self.mesh, a) >= 1
                      for a in ("data", "fsdp", "tensor")),

@@ -111,6 +111,14 @@ def _check_architecture(saved, cfg, where: Path) -> None:
                                      for k, (a, b) in sorted(diff.items())))
 
 
+def _read_everywhere(error: Exception | None) -> bool:
+    """Whether every process read what it was reading (`error` is this process's failure)."""
+    ok = error is None
+    if jax.process_count() > 1:
+        ok = bool(multihost_utils.process_allgather(np.int32(ok)).all())
+    return ok
+
+
 def _global_batches(iterator: Iterator, sharding) -> Iterator[dict[str, jax.Array]]:
     for local in iterator:
         yield to_global_array(local, sharding)
@@ -189,18 +197,25 @@ class Trainer:
         """
         where = self.checkpointer.directory / str(step)
         # Damage shows up as whatever the reader hit (JSON, tensorstore, missing files), so any
-        # exception while reading counts; config mismatches are raised outside these `try`s.
+        # exception while reading counts, once the checkpointer's retries are spent; config
+        # mismatches are raised outside these `try`s. Every process must take the same
+        # checkpoint: one that failed to read anywhere is damaged for all.
+        error = None
         try:
             saved_model, run = self.checkpointer.restore_configs(step)
         except Exception as e:  # noqa: BLE001
-            return self._damaged(step, e)
+            error = e
+        if not _read_everywhere(error):
+            return self._damaged(step, error)
         _check_architecture(saved_model, self.model_cfg, where)
         _check_resumable(run["config"], self.cfg, where)
         target = abstract_state(self.model_cfg, self.tx, self.shardings)
         try:
             state, _, _, data_restored = self.checkpointer.restore(step, target, self.train_iter)
         except Exception as e:  # noqa: BLE001
-            return self._damaged(step, e)
+            error = e
+        if not _read_everywhere(error):
+            return self._damaged(step, error)
         if not data_restored:
             if str(self.data).startswith("tfds:"):
                 raise ValueError(f"{where}: saved by another number of processes; a TFDS "
@@ -209,8 +224,11 @@ class Trainer:
             self.train_iter.set_state({"next_index": step})
         return state, f"resumed from {where}"
 
-    def _damaged(self, step: int, error: Exception) -> None:
+    def _damaged(self, step: int, error: Exception | None) -> None:
+        """Quarantine `step`; `error` is this process's read error (None: another's)."""
         moved = self.checkpointer.quarantine(step)
+        if error is None:
+            error = RuntimeError("read here, but not by another process")
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
         if self.is_main:
             logger.warning("damaged checkpoint %s (%s: %s); moved to %s, trying the previous one",
