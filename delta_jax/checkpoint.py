@@ -66,7 +66,8 @@ def load_checkpoint(directory: str | Path, step: int | None = None, *, mesh=None
                     **config_overrides: Any) -> CausalLM:
     """Load params + model_config of `step` (default: the latest) into a CausalLM.
 
-    With a mesh, every parameter is restored directly onto its sharding. Overrides may change
+    With a mesh, every parameter is restored directly onto its sharding; without, onto this
+    process's first device, whatever devices (or hosts) saved it. Overrides may change
     only runtime fields (dtype, remat, layer_driver, ...), not the architecture.
     """
     cfg = load_checkpoint_config(directory, step)
@@ -76,8 +77,9 @@ def load_checkpoint(directory: str | Path, step: int | None = None, *, mesh=None
         shardings = state_shardings(params, mesh)
         target = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
                               params.to_pure_dict(), shardings.to_pure_dict())
-    else:
-        target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+    else:  # one device: an explicit sharding, or Orbax insists on the devices that saved
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device),
                               params.to_pure_dict())
     with manager(directory, read_only=True) as mgr:
         step = mgr.latest_step() if step is None else step

@@ -285,6 +285,8 @@ class Trainer:
         return summary
 
     def _announce(self, origin: str, start: int) -> None:
+        if jax.process_count() > 1:  # each says where it started: they must agree
+            logger.info("process %d: %s (step %d)", jax.process_index(), origin, start)
         if not self.is_main:
             return
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
