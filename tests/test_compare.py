@@ -4,7 +4,11 @@ numbers against the runs' own metrics, the figures, and the errors."""
 import argparse
 import json
 import math
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -207,3 +211,26 @@ def test_a_failing_run_stops_the_comparison_with_its_exit_code(setup, tmp_path, 
     assert exit_info.value.code == 1
     assert "baseline/seed0: python -m delta_jax.train exited with 1" in capsys.readouterr().err
 
+
+
+def test_sigterm_reaches_the_running_child_which_checkpoints(setup, tmp_path):
+    """SIGTERM to compare (as a scheduler sends it) is passed to the training child: it saves
+    its step and exits 75, and so does compare; the run is left unfinished, to be resumed."""
+    argv = [sys.executable, "-m", "delta_jax.compare", "--config", str(setup[1]),
+            "--variants", "delta", "--seeds", "0", "--output", str(tmp_path),
+            "train.steps=2000", "checkpoint.every=0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[delta/seed0] step 2/2000"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, output[-3000:]
+    step = int(re.search(r"\[delta/seed0\] SIGTERM received: checkpointed step (\d+)",
+                         output)[1])
+    (run,) = plan_runs(str(setup[1]), ["delta"], [0], str(tmp_path),
+                       ["train.steps=2000", "checkpoint.every=0"])
+    assert run_status(run) == UNFINISHED
+    assert (run.output_dir / "checkpoints" / str(step)).is_dir()
