@@ -170,6 +170,17 @@ def test_status_and_refusals(compared, setup, tmp_path):
     (changed,) = plan_runs(str(config), ["baseline"], [0], str(output), ["train.steps=6"])
     with pytest.raises(ValueError, match=r"train.steps: 4 -> 6"):
         run_status(changed)
+    # A run saved before a config field existed (here: without checkpoint.read_retries) is
+    # compared on the fields it holds.
+    older = tmp_path / "older"
+    shutil.copytree(output / "baseline" / "seed0", older / "baseline" / "seed0")
+    saved = older / "baseline" / "seed0" / "config.yaml"
+    tree = yaml.safe_load(saved.read_text())
+    del tree["checkpoint"]["read_retries"]
+    tree["output_dir"] = str(older / "baseline" / "seed0")
+    saved.write_text(yaml.safe_dump(tree))
+    (run,) = plan_runs(str(config), ["baseline"], [0], str(older))
+    assert run_status(run) == FINISHED
     with pytest.raises(ValueError, match="compare sets seed"):
         plan_runs(str(config), ["delta"], [0], str(tmp_path), ["seed=3"])
     with pytest.raises(ValueError, match="--variants 'delta,resnet'"):

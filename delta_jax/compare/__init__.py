@@ -27,8 +27,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
+
 from delta_jax.config import RESIDUALS
-from delta_jax.train.config import RunConfig, dump_config, load_config
+from delta_jax.train.config import RunConfig, load_config
 from delta_jax.train.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -110,10 +112,9 @@ def run_status(run: PlannedRun) -> str:
     saved = run.output_dir / "config.yaml"
     if not saved.is_file():
         return NEW
-    if saved.read_text() != dump_config(run.config):
+    if difference := config_difference(saved, run.config):
         raise ValueError(f"{run.output_dir}: trained with another config than this comparison's "
-                         f"({config_difference(saved, run.config)}); use a new --output or "
-                         "the run's own overrides")
+                         f"({difference}); use a new --output or the run's own overrides")
     steps = run.config.train.steps
     metrics = run.output_dir / "metrics.jsonl"
     final = [r for r in read_metrics(metrics) if r["step"] == steps and "val_loss" in r
@@ -124,7 +125,8 @@ def run_status(run: PlannedRun) -> str:
 
 
 def config_difference(saved: Path, cfg: RunConfig) -> str:
-    """`key: saved -> now` for the fields that differ, dotted."""
+    """`key: saved -> now` for the fields of the saved config.yaml that differ, dotted ("" if
+    none). Fields the file does not hold (added to delta_jax after the run) are not compared."""
     def flatten(tree, prefix=""):
         for key, value in tree.items():
             if isinstance(value, dict):
@@ -132,9 +134,10 @@ def config_difference(saved: Path, cfg: RunConfig) -> str:
             else:
                 yield f"{prefix}{key}", value
 
-    old = dict(flatten(load_config(saved).to_dict()))
+    written = dict(flatten(yaml.safe_load(saved.read_text()) or {}))
+    old = dict(flatten(load_config(saved).to_dict()))  # the written values, typed
     new = dict(flatten(cfg.to_dict()))
-    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(new)
+    return ", ".join(f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(written)
                      if old.get(k) != new.get(k))
 
 
