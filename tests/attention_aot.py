@@ -39,6 +39,7 @@ def compile_train_step(overrides: list[str], devices, mesh_axes: dict[str, int])
     import jax
     import jax.numpy as jnp
 
+    from delta_jax.data.pipeline import batch_keys
     from delta_jax.sharding import batch_sharding, make_mesh
     from delta_jax.train.config import load_config
     from delta_jax.train.optimizer import make_optimizer, schedules
@@ -62,7 +63,7 @@ def compile_train_step(overrides: list[str], devices, mesh_axes: dict[str, int])
                                  sharding=batch_sharding(mesh))
     with jax.set_mesh(mesh):
         return step.lower(abstract_state(cfg, tx, shardings),
-                          {"input_ids": batch, "labels": batch}).compile()
+                          dict.fromkeys(batch_keys(run.data.packing), batch)).compile()
 
 
 def splash_flops(num_layers: int, batch: int, seq: int, heads: int, head_dim: int,

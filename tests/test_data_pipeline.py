@@ -9,11 +9,13 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import grain
 import jax
 import numpy as np
 import pytest
 
 from delta_jax.data.pipeline import (
+    IGNORE_LABEL,
     PreparedSplit,
     build_batch_iterator,
     build_eval_iterator,
@@ -156,7 +158,61 @@ def test_to_global_array(data_dir):
         np.testing.assert_array_equal(np.asarray(arrays[key]), batch[key])
 
 
+def test_concat_packing_is_the_plain_windows(data_dir):
+    """data.packing=concat gives exactly input_ids = window[:-1], labels = window[1:]: the
+    batches of every run before packing existed."""
+    source = make_window_source(data_dir, split="train", seq_len=T)
+    order = list(grain.MapDataset.source(source).shuffle(3))
+    for step, batch in enumerate(_take(_iterator(data_dir, packing="concat"), 3)):
+        assert sorted(batch) == ["input_ids", "labels"]
+        windows = np.stack([order[step * B + j] for j in range(B)])
+        np.testing.assert_array_equal(batch["input_ids"], windows[:, :-1])
+        np.testing.assert_array_equal(batch["labels"], windows[:, 1:])
+        assert batch["input_ids"].dtype == batch["labels"].dtype == np.int32
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_documents_packing_follows_the_eos(data_dir, split):
+    """The same windows in the same order; segments start at each window and after every EOS,
+    positions count from there, and the label of an EOS input (the next document's first
+    token) is ignored."""
+    eos = PreparedSplit(data_dir, split).metadata["tokenizer"]["eos_id"]
+    kw = dict(split=split, seed=0, shuffle=False, num_epochs=1)
+    concat = list(_iterator(data_dir, **kw, packing="concat"))
+    documents = list(_iterator(data_dir, **kw, packing="documents"))
+    assert len(concat) == len(documents) > 3
+    seen_eos = 0
+    for plain, packed in zip(concat, documents):
+        assert sorted(packed) == ["input_ids", "labels", "positions", "segment_ids"]
+        assert all(v.dtype == np.int32 and v.shape == (B, T) for v in packed.values())
+        np.testing.assert_array_equal(packed["input_ids"], plain["input_ids"])
+        is_eos = plain["input_ids"] == eos
+        np.testing.assert_array_equal(packed["labels"],
+                                      np.where(is_eos, IGNORE_LABEL, plain["labels"]))
+        for ids, segments, positions in zip(plain["input_ids"], packed["segment_ids"],
+                                            packed["positions"]):
+            ends = np.flatnonzero(ids == eos)
+            starts = np.concatenate([[0], ends[ends < T - 1] + 1])
+            np.testing.assert_array_equal(segments, np.searchsorted(starts, np.arange(T),
+                                                                    side="right") - 1)
+            np.testing.assert_array_equal(positions, np.arange(T) - starts[segments])
+            seen_eos += len(ends)
+    assert seen_eos > 20  # the windows do hold several documents
+
+
+def test_documents_packing_resumes_mid_run(data_dir):
+    reference = _take(_iterator(data_dir, packing="documents"), 6)
+    restored = _iterator(data_dir, packing="documents")
+    restored.set_state({"next_index": 4})
+    for want, got in zip(reference[4:], _take(restored, 2)):
+        for key in want:
+            np.testing.assert_array_equal(want[key], got[key])
+
+
 def test_bad_arguments(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="packing='docs' is invalid: expected one of concat, "
+                                         "documents"):
+        _iterator(data_dir, packing="docs")
     with pytest.raises(ValueError, match="global_batch_size 8 must split evenly over 3 processes"):
         _iterator(data_dir, process_count=3)
     with pytest.raises(ValueError, match="fewer than one global batch of 4096"):

@@ -119,7 +119,8 @@ def test_run_writes_metrics_checkpoints_and_plots(straight):
 
 
 def test_resume_is_bitwise(straight, interrupted, data_dir):
-    """STEPS straight == SPLIT steps, stop, resume, STEPS - SPLIT steps: losses and parameters."""
+    """STEPS straight == SPLIT steps, stop, resume, STEPS - SPLIT steps: losses and parameters
+    (with the default data.packing, documents)."""
     out, _ = interrupted
     summary = run(config(data_dir, out))
     assert summary["start_step"] == SPLIT
@@ -165,6 +166,56 @@ def test_resume_refuses_a_different_data_order(interrupted, data_dir):
     out, _ = interrupted
     with pytest.raises(ValueError, match="saved with seed=0, resuming with 1 would change"):
         Trainer(config(data_dir, out, "seed=1")).initial_state()
+    with pytest.raises(ValueError, match="saved with data.packing='documents', resuming with "
+                                         "'concat' would change"):
+        Trainer(config(data_dir, out, "data.packing=concat")).initial_state()
+
+
+@pytest.fixture(scope="module")
+def straight_concat(data_dir, tmp_path_factory):
+    """The straight run with data.packing=concat (the runs above use the default, documents)."""
+    out = tmp_path_factory.mktemp("runs") / "straight_concat"
+    run(config(data_dir, out, "data.packing=concat"))
+    return out
+
+
+def test_packing_changes_what_a_step_trains_on(straight, straight_concat):
+    documents, concat = losses(straight[0]), losses(straight_concat)
+    assert documents[1] != concat[1]
+
+
+def _forget_packing(checkpoint: Path) -> None:
+    """Rewrites a checkpoint's saved run config as it was before data.packing existed."""
+    edited = 0
+    for path in (checkpoint / "run").rglob("*"):
+        try:
+            record = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError, IsADirectoryError):
+            continue
+        if isinstance(record, dict) and "config" in record:
+            del record["config"]["data"]["packing"]
+            path.write_text(json.dumps(record))
+            edited += 1
+    assert edited == 1
+
+
+def test_a_checkpoint_saved_before_packing_resumes_as_concat(straight_concat, data_dir,
+                                                               tmp_path):
+    """Its saved config has no data.packing: it ran with concat, so it resumes with concat
+    only, bitwise the uninterrupted concat run."""
+    old = tmp_path / "old"
+    shutil.copytree(straight_concat, old)
+    shutil.rmtree(old / "checkpoints" / str(STEPS))
+    _forget_packing(old / "checkpoints" / str(SPLIT))
+    with pytest.raises(ValueError, match="saved with data.packing='concat', resuming with "
+                                         "'documents' would change"):
+        Trainer(config(data_dir, old)).initial_state()
+    summary = run(config(data_dir, old, "data.packing=concat"))
+    assert summary["start_step"] == SPLIT
+    assert losses(old) == losses(straight_concat)
+    for a, b in zip(jax.tree.leaves(params_at(old, STEPS)),
+                    jax.tree.leaves(params_at(straight_concat, STEPS))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from delta_jax.data.pipeline import batch_keys
 from delta_jax.sharding import batch_sharding
 from delta_jax.train.config import RunConfig
 from delta_jax.train.loop import build_mesh
@@ -52,7 +53,8 @@ def bench_one(run: RunConfig, *, steps: int, warmup: int, compile_only: bool) ->
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         compiled = step_fn.lower(abstract_state(cfg, tx, shardings),
-                                 {"input_ids": batch_spec, "labels": batch_spec}).compile()
+                                 dict.fromkeys(batch_keys(run.data.packing), batch_spec)
+                                 ).compile()
         compile_s = time.perf_counter() - start
         memory = compiled.memory_analysis()
         tokens = train.batch_size * train.seq_len
@@ -72,8 +74,12 @@ def bench_one(run: RunConfig, *, steps: int, warmup: int, compile_only: bool) ->
         state = init_state(cfg, tx, shardings, run.seed)
         rng = np.random.default_rng(run.seed)
         ids = rng.integers(0, cfg.vocab_size, shape, dtype=np.int32)
-        batch = {k: jax.device_put(v, batch_sharding(mesh))
-                 for k, v in (("input_ids", ids), ("labels", np.roll(ids, -1, axis=1)))}
+        # Documents packing: one document per row; the kernels cost the same for any split.
+        arrays = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1),
+                  "segment_ids": np.zeros(shape, np.int32),
+                  "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape)}
+        batch = {k: jax.device_put(arrays[k], batch_sharding(mesh))
+                 for k in batch_keys(run.data.packing)}
         times = []
         for i in range(warmup + steps):
             start = time.perf_counter()

@@ -6,6 +6,13 @@ labels = window[1:], both int32 [L, T] (labels are already shifted: the loss com
 logits[:, t] with labels[:, t]). Consecutive windows share one token, so every token but the
 stream's first is a label once per epoch; the tail of fewer than T tokens is dropped.
 
+Packing (`packing`, docs/data.md#packing): "concat" is the above, a window's documents
+attending to each other. "documents" cuts the same windows but keeps the documents apart:
+batches also hold segment_ids (which document of the window a token belongs to, counted from
+0; a document ends with its EOS) and positions (the token's place in its document, from 0 at
+the window's first token or the token after an EOS), both int32 [L, T], and the label of every
+EOS input, the next document's first token, is IGNORE_LABEL: no loss is taken there.
+
 Prepared data (a directory written by `prepare`): window i = tokens [i*T, i*T + T + 1), read
 by random access. Epoch e visits the windows in a permutation seeded by (seed, e) (grain's
 index_shuffle, no buffer); the global batch of step s is items [s*B, (s+1)*B) of the epochs laid
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import hashlib
 import json
 import os
@@ -36,6 +44,9 @@ import numpy as np
 
 from delta_jax.data.prepare import FORMAT, METADATA
 from delta_jax.data.tokenizers import get_tokenizer
+
+PACKINGS = ("concat", "documents")
+IGNORE_LABEL = -1  # a label the loss skips (documents packing: the token after an EOS)
 
 
 class PreparedSplit:
@@ -172,6 +183,48 @@ def _inputs_and_labels(windows: np.ndarray) -> dict[str, np.ndarray]:
     return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
 
 
+def batch_keys(packing: str) -> tuple[str, ...]:
+    """The arrays of a batch of `packing`, each int32 [L, T]."""
+    return ("input_ids", "labels") + (("segment_ids", "positions") if packing == "documents"
+                                      else ())
+
+
+def document_segments(input_ids: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids [L, T] -> (segment_ids, positions), int32 [L, T] each: a document ends with
+    its EOS, so a segment starts at the window's first token and after every EOS."""
+    ends = input_ids == eos_id
+    segment_ids = np.zeros(input_ids.shape, np.int32)
+    segment_ids[:, 1:] = np.cumsum(ends[:, :-1], axis=1)
+    index = np.arange(input_ids.shape[1])
+    starts = np.ones(input_ids.shape, bool)
+    starts[:, 1:] = ends[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)  # its segment's start
+    return segment_ids, (index - first).astype(np.int32)
+
+
+def documents_batch(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """[L, T + 1] -> {"input_ids", "labels" (IGNORE_LABEL after an EOS), "segment_ids",
+    "positions"}: int32 [L, T] each."""
+    input_ids = windows[:, :-1]
+    segment_ids, positions = document_segments(input_ids, eos_id)
+    labels = np.where(input_ids == eos_id, IGNORE_LABEL, windows[:, 1:]).astype(np.int32)
+    return {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids,
+            "positions": positions}
+
+
+def _batch_fn(packing: str, data: str | os.PathLike, split: str):
+    """The function from windows [L, T + 1] to batches of `packing`."""
+    if packing == "concat":
+        return _inputs_and_labels
+    if packing != "documents":
+        raise ValueError(f"packing={packing!r} is invalid: expected one of {', '.join(PACKINGS)}")
+    if str(data).startswith("tfds:"):
+        eos_id = get_tokenizer(_parse_tfds(str(data)[5:])[1].get("tokenizer", "byte")).eos_id
+    else:
+        eos_id = PreparedSplit(data, split).metadata["tokenizer"]["eos_id"]
+    return functools.partial(documents_batch, eos_id=eos_id)
+
+
 class _TokenizeExample:
     """A TFDS example -> its tokens followed by EOS, int32 [n] (empty for an empty text)."""
 
@@ -274,8 +327,10 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int,
                          global_batch_size: int, seed: int, shuffle: bool = True,
                          num_epochs: int | None = None, process_index: int | None = None,
                          process_count: int | None = None, verify_checksums: bool = False,
-                         num_threads: int = 2, prefetch: int = 4) -> grain.DatasetIterator:
-    """This process's batches {"input_ids", "labels"}: int32 [B / P, T] each (see the module doc).
+                         num_threads: int = 2, prefetch: int = 4,
+                         packing: str = "concat") -> grain.DatasetIterator:
+    """This process's batches {"input_ids", "labels"}, with packing="documents" also
+    "segment_ids" and "positions": int32 [B / P, T] each (see the module doc).
 
     `data` is a prepared directory or a "tfds:NAME?..." spec. `num_epochs=None` repeats forever;
     a finite run ends after the last full global batch. The iterator's get_state()/set_state()
@@ -291,12 +346,13 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int,
                          f"{process_count} processes, and process_index {process_index} "
                          "be below it")
     local = global_batch_size // process_count
+    to_batch = _batch_fn(packing, data, split)
     read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     if str(data).startswith("tfds:"):
         windows = _tfds_windows(str(data)[5:], split=split, seq_len=seq_len, seed=seed,
                                 shuffle=shuffle, num_epochs=num_epochs, process_index=process_index,
                                 process_count=process_count, read_options=read_options)
-        return iter(windows.batch(local, drop_remainder=True).map(_inputs_and_labels))
+        return iter(windows.batch(local, drop_remainder=True).map(to_batch))
     windows = make_window_source(data, split=split, seq_len=seq_len,
                                  verify_checksums=verify_checksums)
     if shuffle:
@@ -307,19 +363,20 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int,
                          f"tokens, fewer than one global batch of {global_batch_size}")
     batches = grain.MapDataset.range(steps).map(
         _GatherRows(windows, global_batch_size, process_index * local, local))
-    return iter(batches.map(_inputs_and_labels).to_iter_dataset(read_options))
+    return iter(batches.map(to_batch).to_iter_dataset(read_options))
 
 
 def build_eval_iterator(data: str | os.PathLike, *, seq_len: int, global_batch_size: int,
                         split: str = "validation", process_index: int | None = None,
-                        process_count: int | None = None, verify_checksums: bool = False
-                        ) -> grain.DatasetIterator:
+                        process_count: int | None = None, verify_checksums: bool = False,
+                        packing: str = "concat") -> grain.DatasetIterator:
     """One pass over `split` in order, without shuffling; windows past the last full batch
     dropped."""
     return build_batch_iterator(data, split=split, seq_len=seq_len,
                                 global_batch_size=global_batch_size, seed=0, shuffle=False,
                                 num_epochs=1, process_index=process_index,
-                                process_count=process_count, verify_checksums=verify_checksums)
+                                process_count=process_count, verify_checksums=verify_checksums,
+                                packing=packing)
 
 
 def to_global_array(local_batch: dict[str, np.ndarray],

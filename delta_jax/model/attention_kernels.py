@@ -2,14 +2,18 @@
 
 Conventions: B batch, T sequence, H query heads, K kv heads (H a multiple of K; query head h
 reads kv head h // (H/K)), hd head dim. Every kernel maps q [B,T,H,hd], k, v [B,T,K,hd] to
-[B,T,H,hd], causal over T, softmax scale `scale`; they differ only in how they compute it:
+[B,T,H,hd], causal over T, softmax scale `scale`, and with `segment_ids` [B,T] int (packed
+documents, data/pipeline.py) only within a segment: query t sees key s iff s <= t and both carry
+the same segment id. They differ only in how they compute it:
 
 - xla: `jax.nn.dot_product_attention`, which materialises the [B,H,T,T] logits; runs anywhere.
 - splash: jax's Pallas splash attention (flash-style, skips the fully masked blocks above the
   diagonal). On TPU the compiled Mosaic kernel; on any other platform the same kernel in Pallas
   interpret mode, which is exact but very slow: for tests only.
 - cudnn: cuDNN's fused flash attention through `jax.nn.dot_product_attention`; NVIDIA GPUs only
-  and bfloat16/float16 only (ModelConfig rejects float32 with it).
+  and bfloat16/float16 only (ModelConfig rejects float32 with it). No segment ids: that API
+  takes only per-row sequence lengths, and a dense mask would become a [B,1,T,T] bias whose
+  gradient cuDNN always computes.
 
 These serve training and prefill without a cache. Decoding with a KV cache stays on the XLA
 masked path (layers.Attention): its mask depends on runtime values (cache length, each row's
@@ -38,15 +42,22 @@ def current_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kind: str,
-                     scale: float) -> jax.Array:
-    """q [B,T,H,hd], k, v [B,T,K,hd] -> [B,T,H,hd] with the kernel named by `kind`."""
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kind: str, scale: float,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
+    """q [B,T,H,hd], k, v [B,T,K,hd], segment_ids [B,T] int or None (one segment) ->
+    [B,T,H,hd] with the kernel named by `kind`."""
     if kind == "xla":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+        mask = None if segment_ids is None else same_segment(segment_ids)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
                                             implementation="xla")
     if kind == "splash":
-        return sharded_splash_attention(q, k, v, scale=scale)
+        return sharded_splash_attention(q, k, v, scale=scale, segment_ids=segment_ids)
     if kind == "cudnn":
+        if segment_ids is not None:
+            raise ValueError(
+                "ModelConfig.attention='cudnn' cannot take segment ids (packed documents): "
+                "jax.nn.dot_product_attention's cuDNN path takes only per-row sequence lengths; "
+                "use attention='xla' or 'splash', or data.packing=concat")
         platform = current_platform()
         if platform not in ("gpu", "cuda"):
             raise ValueError(
@@ -56,6 +67,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kind: str,
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                             implementation="cudnn")
     raise ValueError(f"unknown attention kind {kind!r}: expected one of xla, splash, cudnn")
+
+
+def same_segment(segment_ids: jax.Array) -> jax.Array:
+    """[B,T] int -> [B,1,T,T] bool: whether query t and key s lie in the same segment."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def splash_block(seq_len: int) -> int:
@@ -71,11 +87,12 @@ def splash_block(seq_len: int) -> int:
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
-                     interpret: bool) -> jax.Array:
-    """q [B,T,H,hd], k, v [B,T,K,hd] -> [B,T,H,hd] on the arrays it is given (one device's shard
-    under shard_map). The kernel takes one example as q [H,T,hd], k, v [K,T,hd] and handles the
-    grouping itself (its MHA form with K < H), so kv heads are never repeated; it has no scale
-    argument, so q is scaled before it."""
+                     interpret: bool, segment_ids: jax.Array | None = None) -> jax.Array:
+    """q [B,T,H,hd], k, v [B,T,K,hd], segment_ids [B,T] or None -> [B,T,H,hd] on the arrays it
+    is given (one device's shard under shard_map). The kernel takes one example as q [H,T,hd],
+    k, v [K,T,hd] and handles the grouping itself (its MHA form with K < H), so kv heads are
+    never repeated; it has no scale argument, so q is scaled before it. Segment ids go in as
+    its SegmentIds (the same ids for queries and keys), masked on top of the causal mask."""
     _, seq_len, num_heads, _ = q.shape
     block = splash_block(seq_len)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
@@ -85,14 +102,18 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     interpret=interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B,T,N,hd] <-> [B,N,T,hd]
-    out = jax.vmap(kernel)(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k),
-                           heads_first(v))
-    return heads_first(out)
+    inputs = (heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v))
+    if segment_ids is None:
+        return heads_first(jax.vmap(kernel)(*inputs))
+    segments = splash.SegmentIds(q=segment_ids.astype(jnp.int32),
+                                 kv=segment_ids.astype(jnp.int32))
+    return heads_first(jax.vmap(kernel)(*inputs, segment_ids=segments))
 
 
-def sharded_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                             scale: float) -> jax.Array:
-    """q [B,T,H,hd], k, v [B,T,K,hd] -> [B,T,H,hd] with splash, per device under a mesh.
+def sharded_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                             segment_ids: jax.Array | None = None) -> jax.Array:
+    """q [B,T,H,hd], k, v [B,T,K,hd], segment_ids [B,T] or None -> [B,T,H,hd] with splash, per
+    device under a mesh.
 
     A Pallas kernel sees only what is on its device, so under a mesh it runs inside shard_map:
     batch split over (data, fsdp) and heads over tensor, as `constrain` lays the activations out
@@ -104,7 +125,8 @@ def sharded_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     interpret = current_platform() != "tpu"
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return splash_attention(q, k, v, scale=scale, interpret=interpret)
+        return splash_attention(q, k, v, scale=scale, interpret=interpret,
+                                segment_ids=segment_ids)
     mesh_shape = dict(mesh.shape)
     axes = ("batch", None, "act_heads", None)
     q_spec = logical_to_spec(axes, q.shape, mesh_shape)
@@ -114,7 +136,13 @@ def sharded_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     kv_spec = logical_to_spec(axes, k.shape, mesh_shape)
     # check_vma off: splash's pallas_call declares its outputs without the varying-axes types
     # that the check needs (jax asks for check_vma=False or typed outputs).
-    per_device = jax.shard_map(
-        lambda q, k, v: splash_attention(q, k, v, scale=scale, interpret=interpret),
-        mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
-    return per_device(q, k, v)
+    attend = lambda q, k, v, segment_ids=None: splash_attention(
+        q, k, v, scale=scale, interpret=interpret, segment_ids=segment_ids)
+    specs = (q_spec, kv_spec, kv_spec)
+    args = (q, k, v)
+    if segment_ids is not None:  # split over batch like q, whole over the sequence
+        specs += (jax.sharding.PartitionSpec(q_spec[0], None),)
+        args += (segment_ids,)
+    per_device = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=q_spec,
+                               check_vma=False)
+    return per_device(*args)

@@ -55,9 +55,10 @@ class CausalLM(nnx.Module):
         return schedule(self.config)
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 driver: str | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, driver: str | None = None) -> jax.Array:
         """input_ids [B,T] int -> logits [B,T,V] in the compute dtype."""
-        return self.forward(input_ids, positions=positions, driver=driver).logits
+        return self.forward(input_ids, positions=positions, segment_ids=segment_ids,
+                            driver=driver).logits
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B,T,D] final-normed -> [B,T,V]."""
@@ -74,19 +75,24 @@ class CausalLM(nnx.Module):
         return LayerCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32), start=start)
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                cache: LayerCache | None = None, return_routing: bool = False,
-                driver: str | None = None) -> ModelOutput:
+                segment_ids: jax.Array | None = None, cache: LayerCache | None = None,
+                return_routing: bool = False, driver: str | None = None) -> ModelOutput:
         """input_ids [B,T] int -> ModelOutput.
 
-        With a `cache` (from `init_cache`) the tokens are appended to it. Positions default to
-        0..T-1, or with a cache to each token's place after its row's start (so a left-padded
-        row sees the positions an unpadded one would). The layer driver defaults to the
-        config's; layer outputs (routing, cache) need a driver that returns them, so the lean
-        one gives way to `scan` there.
+        With a `cache` (from `init_cache`) the tokens are appended to it. Positions [B,T]
+        default to 0..T-1, or with a cache to each token's place after its row's start (so a
+        left-padded row sees the positions an unpadded one would). `segment_ids` [B,T] int
+        (packed documents) keep attention within a segment; the caller passes the matching
+        positions (each document's from 0, data/pipeline.py). None is one segment per row. The
+        layer driver defaults to the config's; layer outputs (routing, cache) need a driver
+        that returns them, so the lean one gives way to `scan` there.
         """
         cfg = self.config
         dtype = dtype_of(cfg.dtype)
         batch, length = input_ids.shape
+        if segment_ids is not None and cache is not None:
+            raise ValueError("CausalLM.forward: segment_ids with a cache; decoding keeps one "
+                             "sequence per row and takes none")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
             if cache is not None:
@@ -109,7 +115,8 @@ class CausalLM(nnx.Module):
         def step(inputs, c, row):
             params_l, kv = inputs
             layer_cache = None if kv is None else cache.replace(k=kv[0], v=kv[1])
-            return nnx.merge(graphdef, params_l)(c, row, LayerContext(rope, layer_cache))
+            context = LayerContext(rope, layer_cache, segment_ids)
+            return nnx.merge(graphdef, params_l)(c, row, context)
 
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows())

@@ -47,7 +47,8 @@ class DecoderLayer(nnx.Module):
     # Sublayers, their outputs named for remat policies -------------------------------------
     def attention(self, x: jax.Array, ctx: LayerContext) -> tuple[jax.Array, LayerCache | None]:
         """[B,T,D] (before the input norm) -> ([B,T,D], the updated cache or None)."""
-        out, cache = self.self_attn(self.input_layernorm(x), *ctx.rope, cache=ctx.cache)
+        out, cache = self.self_attn(self.input_layernorm(x), *ctx.rope, cache=ctx.cache,
+                                    segment_ids=ctx.segment_ids)
         return checkpoint_name(out, "attn_out"), cache
 
     def feed_forward(self, x: jax.Array) -> jax.Array:

@@ -110,8 +110,9 @@ class Attention(nnx.Module):
         return jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...].astype(self.dtype))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 cache: LayerCache | None = None):
-        """x [B,T,D] -> ([B,T,D], the updated LayerCache or None), causal over T.
+                 cache: LayerCache | None = None, segment_ids: jax.Array | None = None):
+        """x [B,T,D] -> ([B,T,D], the updated LayerCache or None), causal over T, and within
+        a segment when `segment_ids` [B,T] are given (packed documents; no cache then).
 
         With a cache, the T new tokens sit at cache positions [length, length + T) and attend
         to every cached key from their row's `start` up to themselves.
@@ -120,7 +121,9 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "seq", "act_heads", None))
         scale = self.head_dim ** -0.5
         if cache is None:
-            return self.output(causal_attention(q, k, v, kind=self.kernel, scale=scale)), None
+            attended = causal_attention(q, k, v, kind=self.kernel, scale=scale,
+                                        segment_ids=segment_ids)
+            return self.output(attended), None
         cache = cache.append(k, v)
         attended = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=cache.mask(q.shape[1]),
                                                 scale=scale)

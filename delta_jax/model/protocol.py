@@ -129,9 +129,11 @@ class ScheduleRow:
 @struct.dataclass
 class LayerContext:
     """What every layer reads besides the carry: the RoPE tables (cos, sin), each [B,T,hd]
-    float32, and this layer's decoding cache (k, v [B,C,K,hd]) or None."""
+    float32, this layer's decoding cache (k, v [B,C,K,hd]) or None, and the segment ids
+    [B,T] int32 of packed documents (attention stays within a segment) or None (one segment)."""
     rope: tuple[jax.Array, jax.Array]
     cache: LayerCache | None = None
+    segment_ids: jax.Array | None = None
 
 
 @struct.dataclass

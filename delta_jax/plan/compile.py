@@ -29,6 +29,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from delta_jax.config import ModelConfig
+from delta_jax.data.pipeline import batch_keys
 from delta_jax.plan.topology import PlanError, Topology
 from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
 from delta_jax.train.config import RunConfig
@@ -215,7 +216,7 @@ def _prepare(run: RunConfig, topology: Topology):
     state = abstract_state(cfg, tx, shardings)
     ids = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), jnp.int32,
                                sharding=batch_sharding(mesh))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = dict.fromkeys(batch_keys(run.data.packing), ids)
     fields = dict(
         variant=cfg.residual, remat=cfg.remat, layer_driver=cfg.layer_driver, mesh=sizes,
         batch_size=train.batch_size, seq_len=train.seq_len, grad_accum=train.grad_accum,

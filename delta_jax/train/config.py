@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from delta_jax.config import ModelConfig
+from delta_jax.data.pipeline import PACKINGS
 
 DECAY_MASKS = ("all", "matrices")
 
@@ -29,6 +30,10 @@ class DataConfig:
     validation_split: str = "validation"
     num_threads: int = 2  # grain read-ahead threads per process
     prefetch: int = 4  # batches read ahead
+    # How documents share a window (docs/data.md#packing): "documents" keeps each apart
+    # (attention, positions, no loss on the token after an EOS); "concat" is the paper's recipe
+    # (attention across documents, positions 0..T-1) and what runs saved before this key used.
+    packing: str = "documents"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,12 @@ class RunConfig:
             (t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", t.max_nonfinite_steps,
              "an integer >= 1"),
             (o.decay in DECAY_MASKS, "optimizer.decay", o.decay, " or ".join(DECAY_MASKS)),
+            (self.data.packing in PACKINGS, "data.packing", self.data.packing,
+             " or ".join(PACKINGS)),
+            (not (self.data.packing == "documents" and self.model.attention == "cudnn"),
+             "data.packing", self.data.packing,
+             "concat with model.attention=cudnn (cuDNN's attention takes no segment ids; "
+             "or use attention xla or splash)"),
             (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
              "an integer >= 1"),

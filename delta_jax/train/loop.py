@@ -23,7 +23,12 @@ from jax.sharding import Mesh
 
 from delta_jax.checkpoint import load_checkpoint, load_checkpoint_config
 from delta_jax.config import RUNTIME_FIELDS
-from delta_jax.data.pipeline import build_batch_iterator, build_eval_iterator, to_global_array
+from delta_jax.data.pipeline import (
+    batch_keys,
+    build_batch_iterator,
+    build_eval_iterator,
+    to_global_array,
+)
 from delta_jax.model.causal_lm import count_params
 from delta_jax.sharding import batch_sharding, make_mesh
 from delta_jax.train import metrics as metrics_lib
@@ -54,8 +59,12 @@ logger = logging.getLogger(__name__)
 
 # ModelConfig fields that only shape a fresh initialisation: a checkpoint may differ in them.
 INIT_ONLY_FIELDS = ("router_init", "init_std")
-# Changing these between a checkpoint and its resumption would change which batch a step reads.
-DATA_ORDER_KEYS = (("seed",), ("data", "path"), ("train", "batch_size"), ("train", "seq_len"))
+# Changing these between a checkpoint and its resumption would change which batch a step reads,
+# or what it holds.
+DATA_ORDER_KEYS = (("seed",), ("data", "path"), ("data", "packing"), ("train", "batch_size"),
+                   ("train", "seq_len"))
+# What a saved config that predates a key ran with.
+SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat"}
 
 
 def build_mesh(cfg: MeshConfig) -> Mesh:
@@ -95,11 +104,12 @@ def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
     for keys in DATA_ORDER_KEYS:
         old, new = saved, current
         for k in keys:
-            old, new = old[k], new[k]
+            old, new = old.get(k, SAVED_BEFORE_THE_KEY.get(keys)), new[k]
         if old != new:
             name = ".".join(keys)
             raise PreflightError(f"{where}: saved with {name}={old!r}, resuming with {new!r} would "
-                             f"change the data order; set {name}={old!r} or use a new output_dir")
+                             f"change the training data; set {name}={old!r} or use a new "
+                             "output_dir")
 
 
 def _check_architecture(saved, cfg, where: Path) -> None:
@@ -151,8 +161,10 @@ class Trainer:
             self.train_iter = build_batch_iterator(
                 self.data, split="train", seq_len=cfg.train.seq_len,
                 global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch)
-            self.probe_ids = next(self._eval_batches())["input_ids"]
+                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch,
+                packing=cfg.data.packing)
+            self.probe_inputs = {k: v for k, v in next(self._eval_batches()).items()
+                                 if k != "labels"}
         except (OSError, ValueError, StopIteration) as e:
             raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
                                  f"({type(e).__name__}: {e})") from e
@@ -241,23 +253,27 @@ class Trainer:
         cfg = self.cfg
         iterator = build_eval_iterator(self.data, seq_len=cfg.train.seq_len,
                                        global_batch_size=cfg.train.batch_size,
-                                       split=cfg.data.validation_split)
+                                       split=cfg.data.validation_split,
+                                       packing=cfg.data.packing)
         return _global_batches(iterator, self.batch_sharding)
 
     def evaluate(self, params: dict) -> dict[str, float]:
-        """Validation loss and perplexity over up to train.eval_batches batches."""
-        total, batches = 0.0, 0
+        """Validation loss and perplexity (per counted token) over up to train.eval_batches
+        batches."""
+        total, tokens, batches = 0.0, 0, 0
         for batch in self._eval_batches():
-            total += float(self.eval_fn(params, batch))
+            nll, counted = self.eval_fn(params, batch)
+            total += float(nll)
+            tokens += int(counted)
             batches += 1
             if batches == self.cfg.train.eval_batches:
                 break
-        loss = total / (batches * self.cfg.train.batch_size * self.cfg.train.seq_len)
+        loss = total / tokens
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_batches": batches}
 
     def routing(self, params: dict) -> dict[str, Any]:
         """Sharpness per site [L][2] (NaN at unused sites) on the first validation batch."""
-        stats = jax.device_get(self.probe_fn(params, self.probe_ids))
+        stats = jax.device_get(self.probe_fn(params, self.probe_inputs))
         self.last_routing = stats
         return {k: np.asarray(v) for k, v in stats.items() if k != "mean_weights"}
 
@@ -405,7 +421,7 @@ class Trainer:
     def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.batch_size, self.cfg.train.seq_len)
         spec = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding)
-        return {"input_ids": spec, "labels": spec}
+        return dict.fromkeys(batch_keys(self.cfg.data.packing), spec)
 
     def _finish(self, metrics_path: Path, checkpoint_step: int) -> dict[str, Any]:
         """Plots (process 0) and the paths a user looks for next."""

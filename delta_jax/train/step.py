@@ -2,8 +2,10 @@
 
 Conventions: B global batch, A microbatches (gradient accumulation), T sequence, V vocab, L
 layers, N sources of a site. Batches are {"input_ids", "labels"} int32 [B, T] with labels already
-shifted. Every function here is jax.jit with explicit in/out shardings; the train step donates
-the state. Call them under `jax.set_mesh(mesh)` so that the model's activation constraints apply.
+shifted; with documents packing (data/pipeline.py) they also hold "segment_ids" and "positions"
+[B, T], and labels of IGNORE_LABEL (< 0) take no loss. Every function here is jax.jit with
+explicit in/out shardings; the train step donates the state. Call them under
+`jax.set_mesh(mesh)` so that the model's activation constraints apply.
 """
 from __future__ import annotations
 
@@ -28,9 +30,34 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         logits.astype(jnp.float32), labels).mean()
 
 
-def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
+def token_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [B,T,V], labels [B,T] (< 0: no loss) -> (CE float32 [B,T], 0 where ignored;
+    whether each token counts, bool [B,T])."""
+    counted = labels >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         jnp.where(counted, labels, 0))
+    return jnp.where(counted, ce, 0.0), counted
+
+
+def is_packed(batch: Batch) -> bool:
+    """Whether `batch` holds documents packing's fields (and maybe ignored labels)."""
+    return "segment_ids" in batch
+
+
+def _logits(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
     model = nnx.merge(graphdef, nnx.State(params))
-    return cross_entropy(model(batch["input_ids"]), batch["labels"])
+    return model(batch["input_ids"], positions=batch.get("positions"),
+                 segment_ids=batch.get("segment_ids"))
+
+
+def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array) -> jax.Array:
+    """The microbatch's CE summed over its counted tokens / `tokens` (float32 []: the mean count
+    per microbatch, so that averaging over microbatches weighs every token of the batch alike);
+    concat batches keep the plain mean, bit for bit what it always was."""
+    logits = _logits(graphdef, params, batch)
+    if not is_packed(batch):
+        return cross_entropy(logits, batch["labels"])
+    return token_losses(logits, batch["labels"])[0].sum() / tokens
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -48,21 +75,24 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     another under a scan and whose gradients are averaged (so the loss is the mean over the
     batch, like one pass over B rows). Microbatch a takes rows a, A + a, 2A + a, ...: each
     device's contiguous block of rows splits locally, without moving data between devices.
+    With ignored labels (documents packing) the loss is the mean over the batch's counted tokens.
     """
-    grad_fn = jax.value_and_grad(lambda p, b: _loss(graphdef, p, b))
+    grad_fn = jax.value_and_grad(lambda p, b, n: _loss(graphdef, p, b, n))
     micro_sharding = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
 
     def step(state: TrainState, batch: Batch):
         micro = {k: jax.lax.with_sharding_constraint(
             v.reshape(-1, grad_accum, v.shape[-1]).swapaxes(0, 1), micro_sharding)
             for k, v in batch.items()}  # [A, B/A, T]
+        # Counted tokens per microbatch on average (documents packing; at least 1).
+        tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1).astype(jnp.float32) / grad_accum
 
         # The float32 gradient sum is sharded like the parameters (FSDP keeps it distributed).
         def shard_like_params(tree):
             return jax.lax.with_sharding_constraint(tree, state_shardings.params)
 
         def accumulate(carry, microbatch):
-            loss, grads = grad_fn(state.params, microbatch)
+            loss, grads = grad_fn(state.params, microbatch, tokens)
             total_loss, total_grads = carry
             total_grads = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total_grads, grads)
             return (total_loss + loss, shard_like_params(total_grads)), None
@@ -95,25 +125,33 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
-    """(params, batch [B,T]) -> summed token CE float32 [] (divide by B*T over batches)."""
-    def evaluate(params: dict, batch: Batch) -> jax.Array:
-        logits = nnx.merge(graphdef, nnx.State(params))(batch["input_ids"])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch["labels"]).sum()
+    """(params, batch [B,T]) -> (summed token CE float32 [], counted tokens int32 []): divide
+    the sums over batches by the counts."""
+    def evaluate(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        logits = _logits(graphdef, params, batch)
+        if not is_packed(batch):
+            labels = batch["labels"]
+            return (optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), labels).sum(), jnp.int32(labels.size))
+        ce, counted = token_losses(logits, batch["labels"])
+        return ce.sum(), counted.sum(dtype=jnp.int32)
 
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))
 
 
 def make_routing_probe(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
-    """(params, input_ids [B,T]) -> {"max_weight", "entropy", "normalized_entropy": [L,2]
+    """(params, inputs {"input_ids" [B,T], and with documents packing "segment_ids",
+    "positions" [B,T]}) -> {"max_weight", "entropy", "normalized_entropy": [L,2]
     (NaN at unused sites), "final_*": [] (block, full), "mean_weights": a list, one [N] per used
     site in call order (the last is the final site), of weights averaged over tokens}, and with
     routing gates their values: "gate" [L,2], "final_gate" [] (how far each site has moved from
     its base toward the routed input; all zero right after a preserving conversion)."""
-    def probe(params: dict, input_ids: jax.Array) -> dict:
-        routing = nnx.merge(graphdef, nnx.State(params)).forward(input_ids,
-                                                                return_routing=True).routing
+    def probe(params: dict, inputs: Batch) -> dict:
+        model = nnx.merge(graphdef, nnx.State(params))
+        routing = model.forward(inputs["input_ids"], positions=inputs.get("positions"),
+                                segment_ids=inputs.get("segment_ids"),
+                                return_routing=True).routing
         stats = routing.statistics()
         stats["mean_weights"] = [w.mean(axis=(1, 2)) for w in routing.calls()]
         layers = params["layers"]
