@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import jax
 import yaml
-from flax import nnx
 from jax.sharding import Mesh
 
 from delta_jax.checkpoint import load_checkpoint
@@ -31,8 +28,6 @@ from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.hf.load import CONFIG as HF_CONFIG
 from delta_jax.hf.load import load_pretrained
 from delta_jax.model import CausalLM
-
-logger = logging.getLogger(__name__)
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
@@ -71,19 +66,7 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
         run = yaml.safe_load((path / "config.yaml").read_text()) or {}
         tokenizer = data_tokenizer((run.get("data") or {}).get("path", "embedded"))
     tok = get_tokenizer(tokenizer) if tokenizer is not None else None
-    if mesh is not None:
-        _log_placement(model, mesh)
     return model, tok
-
-
-def _log_placement(model: CausalLM, mesh: Mesh) -> None:
-    """One line: the mesh and how much of the parameters one device holds."""
-    params = jax.tree.leaves(nnx.state(model, nnx.Param))
-    total = sum(p.nbytes for p in params)
-    per_device = sum(p.addressable_shards[0].data.nbytes for p in params)
-    logger.info("parameters on mesh %s (%d devices, %d processes): %.2f MB of %.2f MB per device",
-                " x ".join(f"{k} {v}" for k, v in mesh.shape.items()), mesh.size,
-                jax.process_count(), per_device / 1e6, total / 1e6)
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer | None]:

@@ -144,6 +144,16 @@ def on_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
+def placement(tree, mesh: Mesh) -> str:
+    """One line for the log: the mesh, and how much of the arrays of `tree` one device holds."""
+    arrays = jax.tree.leaves(tree)
+    total = sum(x.nbytes for x in arrays)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in arrays)
+    return (f"parameters on mesh {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
+            f"({mesh.size} devices, {jax.process_count()} processes): {per_device / 1e6:.2f} MB "
+            f"of {total / 1e6:.2f} MB per device")
+
+
 def put_batch(array: np.ndarray, mesh: Mesh | None) -> np.ndarray | jax.Array:
     """A host array [B, ...] that every process holds whole -> a global array on `mesh`, B split
     over (data, fsdp) as far as they divide it, else replicated. Without a mesh, `array`."""

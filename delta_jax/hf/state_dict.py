@@ -10,6 +10,7 @@ checkpoint and only the routing parameters it lacks are initialised (`plan_conve
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -33,7 +34,9 @@ from delta_jax.hf.keymap import (
 )
 from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.model.routing import RoutingSite
-from delta_jax.sharding import state_shardings
+from delta_jax.sharding import placement, state_shardings
+
+logger = logging.getLogger(__name__)
 
 # The fields that define a checkpoint's routing; a qwen3_attnres checkpoint fixes them.
 ROUTING_FIELDS = ("residual", "num_blocks", "block_sources", "null_source", "routing_gate",
@@ -202,6 +205,8 @@ def from_converted(cfg: ModelConfig, tensors: Iterator[tuple[KeyRule, np.ndarray
                 raise ConversionError(f"parameter {'.'.join(path)} of residual={cfg.residual!r} "
                                       "has no Hugging Face tensor to load it from")
             place(path, fresh[path])
+    if mesh is not None:
+        logger.info("%s", placement(params, mesh))
     return nnx.merge(graphdef, params, rest)
 
 
