@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from delta_jax.config import DTYPES
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 MESH_HELP = ("run on a DATA,FSDP,TENSOR device mesh over every device of every process, e.g. "
              "1,4,2 (one size may be -1: the devices left); parameters are loaded onto their "
@@ -98,11 +102,11 @@ def start_processes(args: argparse.Namespace) -> None:
     initialize_distributed(address, count, index)
 
 
-def mesh_from_args(args: argparse.Namespace):
-    """The jax.sharding.Mesh that --mesh names, or None (one device)."""
+def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
+    """The mesh that --mesh names, or None (one device)."""
     if args.mesh is None:
         return None
-    from delta_jax.sharding import make_mesh
+    from delta_jax.sharding import make_mesh  # jax is imported only once a command needs it
 
     try:
         sizes = [int(n) for n in args.mesh.split(",")]
