@@ -99,6 +99,19 @@ def test_loglikelihoods_match_one_device(sharded, one_device):
     assert [g for _, g in got] == [g for _, g in want]
 
 
+def test_lm_eval_adapter_takes_the_mesh_sizes(checkpoint, one_device):
+    pytest.importorskip("lm_eval")
+    from delta_jax.lm_eval_adapter import DeltaJaxLM
+
+    # lm-eval passes --model_args values as strings (fsdp=4,tensor=2)
+    lm = DeltaJaxLM(pretrained=str(checkpoint), tokenizer="byte", batch_size=4, max_length=64,
+                    fsdp="4", tensor="2")
+    assert lm.model.layers.mlp.gate_proj[...].sharding.spec == P(None, "fsdp", "tensor")
+    want = loglikelihood(one_device, REQUESTS, batch_size=4, max_length=64)
+    np.testing.assert_allclose([s for s, _ in lm._loglikelihood_tokens(REQUESTS)],
+                               [s for s, _ in want], rtol=1e-5)
+
+
 def test_save_pretrained_writes_the_one_device_bytes(sharded, one_device, tmp_path):
     one = save_pretrained(one_device, tmp_path / "one", max_shard_size="100KB")
     many = save_pretrained(sharded, tmp_path / "many", max_shard_size="100KB")
