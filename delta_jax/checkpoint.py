@@ -9,6 +9,7 @@ The converter writes a one-step directory (step 0) that the trainer can fine-tun
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from flax import nnx
 
 from delta_jax.config import ModelConfig
 from delta_jax.model.causal_lm import CausalLM, abstract_model
-from delta_jax.sharding import state_shardings
+from delta_jax.sharding import placement, state_shardings
+
+logger = logging.getLogger(__name__)
 
 PARAMS = "params"
 MODEL_CONFIG = "model_config"
@@ -86,4 +89,6 @@ def load_checkpoint(directory: str | Path, step: int | None = None, *, mesh=None
         restored = mgr.restore(step, args=ocp.args.Composite(
             **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
     params.replace_by_pure_dict(restored)
+    if mesh is not None:
+        logger.info("%s", placement(params, mesh))
     return nnx.merge(graphdef, params, rest)

@@ -1,4 +1,5 @@
-"""What the `python -m delta_jax.<command>` entry points share: logging setup, model arguments.
+"""What the `python -m delta_jax.<command>` entry points share: logging setup, model arguments,
+the device mesh and the joining of processes.
 
 Every command is a package whose `__init__` is the library and whose `__main__` is the command
 line (argparse, printing results, exit codes). Library code logs through
@@ -11,8 +12,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from delta_jax.config import DTYPES
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+MESH_HELP = ("run on a DATA,FSDP,TENSOR device mesh over every device of every process, e.g. "
+             "1,4,2 (one size may be -1: the devices left); parameters are loaded onto their "
+             "shardings. Default: one device")
+DISTRIBUTED_HELP = ("join the processes of a multi-process run (jax.distributed) before touching "
+                    "a device: COORDINATOR_HOST:PORT,NUM_PROCESSES,PROCESS_ID (launch/local.sh "
+                    "passes it), or alone to let SLURM or a Cloud TPU pod describe itself")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -45,3 +57,65 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Orbax checkpoint dir, training run folder or Hugging Face folder")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the checkpoint's)")
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, distributed: bool = True) -> None:
+    """--mesh and --distributed: a model sharded over devices, possibly of several processes."""
+    parser.add_argument("--mesh", metavar="DATA,FSDP,TENSOR", help=MESH_HELP)
+    if distributed:
+        parser.add_argument("--distributed", nargs="?", const="auto", metavar="HOST:PORT,N,I",
+                            help=DISTRIBUTED_HELP)
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """jax.distributed.initialize, before any device is touched.
+
+    With the three arguments unset, SLURM and Cloud TPU pods describe themselves to JAX. CPU
+    processes talk through gloo.
+    """
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+def start_processes(args: argparse.Namespace) -> None:
+    """Joins the processes when --distributed was given (see DISTRIBUTED_HELP)."""
+    if getattr(args, "distributed", None) is None:
+        return
+    if args.distributed == "auto":
+        initialize_distributed()
+        return
+    try:
+        address, count, index = args.distributed.split(",")
+        count, index = int(count), int(index)
+        if ":" not in address or not 0 <= index < count:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--distributed {args.distributed}: expected HOST:PORT,NUM_PROCESSES,"
+                         "PROCESS_ID with 0 <= PROCESS_ID < NUM_PROCESSES, e.g. "
+                         "localhost:1234,2,0") from None
+    initialize_distributed(address, count, index)
+
+
+def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
+    """The mesh that --mesh names, or None (one device)."""
+    if args.mesh is None:
+        return None
+    from delta_jax.sharding import make_mesh  # jax is imported only once a command needs it
+
+    try:
+        sizes = [int(n) for n in args.mesh.split(",")]
+        if len(sizes) != 3 or any(n < 1 and n != -1 for n in sizes) or sizes.count(-1) > 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--mesh {args.mesh}: expected three device counts DATA,FSDP,TENSOR, "
+                         "such as 1,4,2 (one may be -1: the devices left)") from None
+    try:
+        return make_mesh(*sizes)
+    except ValueError as err:
+        raise ValueError(f"--mesh {args.mesh}: {err}") from None

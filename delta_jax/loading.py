@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jax.sharding import Mesh
 
 from delta_jax.checkpoint import load_checkpoint
+from delta_jax.cli import mesh_from_args
 from delta_jax.data.prepare import METADATA
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.hf.load import CONFIG as HF_CONFIG
@@ -33,10 +35,12 @@ def _is_checkpoint_dir(path: Path) -> bool:
 
 
 def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | None = None,
-               **overrides: Any) -> tuple[CausalLM, Tokenizer | None]:
+               mesh: Mesh | None = None, **overrides: Any) -> tuple[CausalLM, Tokenizer | None]:
     """(model, tokenizer or None) from a checkpoint, run folder or Hugging Face folder.
 
-    `step` picks a checkpoint step (default: the latest). `overrides` are ModelConfig fields;
+    `step` picks a checkpoint step (default: the latest). With a `mesh`, every parameter is
+    read directly onto its sharding (the tools then run on that mesh). `overrides` are
+    ModelConfig fields;
     a checkpoint takes only runtime ones (dtype, param_dtype, remat, layer_driver); for a
     Hugging Face folder they are load_pretrained's (dtype sets the parameters' dtype too).
     """
@@ -48,13 +52,13 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
     if (path / HF_CONFIG).is_file():
         if step is not None:
             raise ValueError(f"{path}: a Hugging Face folder has no steps (got step={step})")
-        model = load_pretrained(path, **overrides)
+        model = load_pretrained(path, mesh=mesh, **overrides)
     else:
         directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         if not _is_checkpoint_dir(directory):
             raise FileNotFoundError(f"{path}: neither a Hugging Face folder ({HF_CONFIG}) nor an "
                                     f"Orbax checkpoint directory (numbered step folders)")
-        model = load_checkpoint(directory, step, **overrides)
+        model = load_checkpoint(directory, step, mesh=mesh, **overrides)
 
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = str(path)
@@ -65,11 +69,11 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
     return model, tok
 
 
-
 def load_model_from_args(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer | None]:
     """load_model for a command built with cli.add_model_arguments and a --tokenizer option."""
     return load_model(args.model, tokenizer=args.tokenizer or None, step=args.step,
-                      **({"dtype": args.dtype} if args.dtype else {}))
+                      mesh=mesh_from_args(args), **({"dtype": args.dtype} if args.dtype else {}))
+
 
 def data_tokenizer(data: str) -> str | None:
     """The tokenizer spec a data source was tokenised with: "embedded" (the trainer's default

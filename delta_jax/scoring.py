@@ -19,6 +19,7 @@ from flax import nnx
 
 from delta_jax.data.tokenizers import Tokenizer, check_token_ids
 from delta_jax.model import CausalLM
+from delta_jax.sharding import mesh_of, on_mesh, put_batch, replicated
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -29,8 +30,8 @@ def _score_batch(graphdef, state, input_ids, targets, mask):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     target_logprobs = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     greedy = jnp.argmax(logits, axis=-1) == targets
-    return (jnp.sum(jnp.where(mask, target_logprobs, 0.0), axis=-1),
-            jnp.all(greedy | ~mask, axis=-1))
+    return replicated((jnp.sum(jnp.where(mask, target_logprobs, 0.0), axis=-1),
+                       jnp.all(greedy | ~mask, axis=-1)))
 
 
 def loglikelihood(model: CausalLM, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
@@ -40,6 +41,7 @@ def loglikelihood(model: CausalLM, requests: Sequence[tuple[Sequence[int], Seque
 
     The context must hold at least one token (text callers prepend BOS/EOS to an empty one);
     a pair longer than max_length + 1 tokens keeps its last max_length + 1 (context cut first).
+    A model loaded onto a mesh runs there, each batch split over (data, fsdp) where it divides.
     """
     rows = []
     for i, (context, continuation) in enumerate(requests):
@@ -53,6 +55,7 @@ def loglikelihood(model: CausalLM, requests: Sequence[tuple[Sequence[int], Seque
         rows.append((sequence, len(continuation)))
 
     graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     results: list[tuple[float, bool] | None] = [None] * len(rows)
     for first in range(0, len(order), batch_size):
@@ -66,7 +69,9 @@ def loglikelihood(model: CausalLM, requests: Sequence[tuple[Sequence[int], Seque
             n = len(sequence) - 1
             ids[row, :n], targets[row, :n] = sequence[:-1], sequence[1:]
             mask[row, n - count:n] = True
-        logprob, greedy = _score_batch(graphdef, state, ids, targets, mask)
+        with on_mesh(mesh):
+            logprob, greedy = _score_batch(graphdef, state, *(put_batch(x, mesh)
+                                                              for x in (ids, targets, mask)))
         for row, index in enumerate(chunk):
             results[index] = (float(logprob[row]), bool(greedy[row]))
     return results

@@ -9,9 +9,12 @@ rather than failing: a 2-kv-head model still runs on tensor=4.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,13 +43,25 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...]] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes (plain indexing of sharded arrays works)."""
+    """A (data, fsdp, tensor) mesh with Auto axes (plain indexing of sharded arrays works).
+
+    One size may be -1: the devices the other axes leave.
+    """
     devices = jax.devices() if devices is None else devices
-    wanted = data * fsdp * tensor
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    for axis, n in sizes.items():
+        if n == -1:
+            if len(devices) % fixed:
+                raise ValueError(f"mesh {axis}=-1: {len(devices)} devices do not split over the "
+                                 f"other axes' {fixed}")
+            sizes[axis] = len(devices) // fixed
+    wanted = math.prod(sizes.values())
     if wanted != len(devices):
-        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {wanted} devices, "
-                         f"but {len(devices)} are available ({jax.default_backend()})")
-    return jax.make_mesh((data, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+        raise ValueError(f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor="
+                         f"{sizes['tensor']} = {wanted} devices, but {len(devices)} are "
+                         f"available ({jax.default_backend()})")
+    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
                          devices=devices)
 
 
@@ -110,3 +125,46 @@ def state_shardings(state, mesh: Mesh):
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a [B, T, ...] input batch: batch over (data, fsdp)."""
     return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+# Inference on a mesh: the tools (eval, generate, analyze, scoring) run on whatever mesh the
+# model's parameters were loaded onto, and exactly as before on one device.
+def mesh_of(tree) -> Mesh | None:
+    """The mesh the arrays of `tree` are laid out on (NamedSharding); None for arrays on one
+    device."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def on_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """jax.set_mesh(mesh), so that the model's activation constraints apply; nothing without."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def placement(tree, mesh: Mesh) -> str:
+    """One line for the log: the mesh, and how much of the arrays of `tree` one device holds."""
+    arrays = jax.tree.leaves(tree)
+    total = sum(x.nbytes for x in arrays)
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in arrays)
+    return (f"parameters on mesh {' x '.join(f'{k} {v}' for k, v in mesh.shape.items())} "
+            f"({mesh.size} devices, {jax.process_count()} processes): {per_device / 1e6:.2f} MB "
+            f"of {total / 1e6:.2f} MB per device")
+
+
+def put_batch(array: np.ndarray, mesh: Mesh | None) -> np.ndarray | jax.Array:
+    """A host array [B, ...] that every process holds whole -> a global array on `mesh`, B split
+    over (data, fsdp) as far as they divide it, else replicated. Without a mesh, `array`."""
+    if mesh is None:
+        return array
+    spec = logical_to_spec(("batch",) + (None,) * (array.ndim - 1), array.shape, dict(mesh.shape))
+    return jax.make_array_from_callback(array.shape, NamedSharding(mesh, spec),
+                                        lambda index: array[index])
+
+
+def replicated(tree):
+    """Every array of `tree` replicated under the current mesh, so that each process can read
+    it whole (np.asarray); identity outside a mesh. Call inside jit, on what it returns."""
+    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # launch/local.sh NPROC [--config FILE] [section.key=value ...]
+# launch/local.sh NPROC --module delta_jax.eval|generate|analyze|convert [ARGS ...]
 #
-# Runs NPROC processes of `python -m delta_jax.train` on this machine, joined by
-# jax.distributed through a coordinator on localhost (CPU collectives over gloo). The CPU
+# Runs NPROC processes of `python -m delta_jax.train` (or of --module) on this machine, joined by
+# jax.distributed through a coordinator on localhost (CPU collectives over gloo): the trainer
+# gets distributed.* overrides, another module `--distributed localhost:PORT,NPROC,I`. The CPU
 # devices are split among them: CPU_DEVICES (default 8) fake devices in all, CPU_DEVICES/NPROC
 # per process, so a mesh spans processes exactly as it would span hosts. Each output line is
 # prefixed with its process, [p0] [p1] ...
@@ -20,12 +22,22 @@
 # STOP_GRACE (default 120), KILL_AFTER (default 10).
 set -euo pipefail
 
+usage="usage: launch/local.sh NPROC [--module MODULE] [ARGS ...]"
 if [[ $# -lt 1 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
-  echo "usage: launch/local.sh NPROC [--config FILE] [section.key=value ...]" >&2
+  echo "$usage" >&2
   exit 2
 fi
 nproc=$1
 shift
+module=delta_jax.train
+if [[ ${1:-} == --module ]]; then
+  if [[ $# -lt 2 ]]; then
+    echo "$usage" >&2
+    exit 2
+  fi
+  module=$2
+  shift 2
+fi
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$root/.venv/bin/python}
 devices=${CPU_DEVICES:-8}
@@ -53,13 +65,20 @@ forward() { kill -"$1" "${pids[@]}" 2>/dev/null || true; }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap 'kill -KILL "${pids[@]}" 2>/dev/null || true' EXIT
+join() {  # the arguments that make process $1 join the others
+  if [[ $module == delta_jax.train ]]; then
+    echo distributed.enabled=true distributed.coordinator_address="localhost:$port" \
+      distributed.num_processes="$nproc" distributed.process_id="$1"
+  else
+    echo --distributed "localhost:$port,$nproc,$1"
+  fi
+}
 for ((i = 0; i < nproc; i++)); do
   # Process substitution keeps $! the Python process itself, so signals reach it.
+  # shellcheck disable=SC2046  # join's words are meant to split
   PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS=cpu \
   XLA_FLAGS="$xla_flags --xla_force_host_platform_device_count=$((devices / nproc))" \
-    "$python" -m delta_jax.train "$@" distributed.enabled=true \
-      distributed.coordinator_address="localhost:$port" distributed.num_processes="$nproc" \
-      distributed.process_id="$i" > >(sed -u "s/^/[p$i] /") 2>&1 &
+    "$python" -m "$module" "$@" $(join "$i") > >(sed -u "s/^/[p$i] /") 2>&1 &
   pids+=($!)
 done
 

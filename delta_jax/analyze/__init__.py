@@ -34,6 +34,7 @@ from delta_jax.config import ModelConfig
 from delta_jax.data.tokenizers import check_token_ids
 from delta_jax.eval import TokenStream
 from delta_jax.model import CausalLM, Routing
+from delta_jax.sharding import mesh_of, on_mesh, put_batch, replicated
 
 SUBLAYERS = ("attn", "mlp")
 STATISTICS = ("max_weight", "entropy", "normalized_entropy")
@@ -54,14 +55,15 @@ def _batch_routing(graphdef, state, input_ids):
     """[B,T] ids -> (Routing whose weights are the batch means [L,2,N_pad,1,1], statistics)."""
     routing = nnx.merge(graphdef, state).forward(input_ids, return_routing=True).routing
     mean = lambda w: None if w is None else w.mean(axis=(-2, -1), keepdims=True)
-    return (routing.replace(weights=mean(routing.weights), final=mean(routing.final)),
-            routing.statistics())
+    return replicated((routing.replace(weights=mean(routing.weights), final=mean(routing.final)),
+                       routing.statistics()))
 
 
 def routing_statistics(model: CausalLM, stream: TokenStream, *, seq_len: int = 512,
                        max_windows: int = 16, batch_size: int = 4) -> dict:
     """Statistics of every used site over up to `max_windows` non-overlapping windows of
-    `seq_len` tokens of the stream (the tail shorter than a window is left out)."""
+    `seq_len` tokens of the stream (the tail shorter than a window is left out). A model
+    loaded onto a mesh runs there."""
     cfg = model.config
     if not cfg.has_routing:
         raise ValueError(f"residual={cfg.residual!r} has no routing sites to analyze")
@@ -71,10 +73,12 @@ def routing_statistics(model: CausalLM, stream: TokenStream, *, seq_len: int = 5
     windows = min(max_windows, len(tokens) // seq_len)
     ids = tokens[:windows * seq_len].reshape(windows, seq_len)
     graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
     total = None
     for first in range(0, windows, batch_size):
         batch = ids[first:first + batch_size]
-        means, stats = _batch_routing(graphdef, state, batch)
+        with on_mesh(mesh):
+            means, stats = _batch_routing(graphdef, state, put_batch(batch, mesh))
         # Batch means weighted by the batch's tokens give the mean over all tokens.
         weighted = jax.tree.map(lambda x: np.asarray(x, np.float64) * batch.size, (means, stats))
         total = weighted if total is None else jax.tree.map(np.add, total, weighted)

@@ -7,8 +7,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
+
 from delta_jax.analyze import format_table, plot_heatmap, plot_max_weight, routing_statistics
-from delta_jax.cli import setup_logging
+from delta_jax.cli import add_parallel_arguments, mesh_from_args, setup_logging, start_processes
 from delta_jax.config import DTYPES
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import read_stream
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-windows", type=int, default=16, help="windows to analyze")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--dtype", choices=DTYPES)
+    add_parallel_arguments(parser)
     parser.add_argument("--out", default="analysis", help="directory for routing.json and PNGs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
@@ -56,9 +59,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected a "
                                  "positive integer")
+        start_processes(args)
+        mesh = mesh_from_args(args)
         results = []
         for path in args.model:
-            model, tokenizer = load_model(path, **({"dtype": args.dtype} if args.dtype else {}))
+            model, tokenizer = load_model(path, mesh=mesh,
+                                          **({"dtype": args.dtype} if args.dtype else {}))
             if args.tokenizer:
                 tokenizer = get_tokenizer(args.tokenizer)
             stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
@@ -72,11 +78,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         labels = _labels(args.model, args.label, [r["residual"] for r in results])
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for label, result in zip(labels, results):
         result["label"] = label
-        plot_heatmap(result, out / f"heatmap_{label}.png")
+    if jax.process_index() != 0:  # every process computed the same statistics; one writes them
+        return results
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        plot_heatmap(result, out / f"heatmap_{result['label']}.png")
     plot_max_weight(results, out / "max_weight.png")
     (out / "routing.json").write_text(json.dumps({"models": results}, indent=1) + "\n")
     if args.json:

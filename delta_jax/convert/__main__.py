@@ -6,7 +6,10 @@
 
 hf-to-orbax writes step 0 in the layout of delta_jax.checkpoint and copies the folder's tokenizer
 files into <orbax dir>/tokenizer; orbax-to-hf copies them back from there (or --tokenizer-from).
-Bad input is reported as one line on stderr with exit code 2.
+--mesh DATA,FSDP,TENSOR shards the model over the devices while it passes through; orbax-to-hf
+also runs as several processes (launch/local.sh N --module delta_jax.convert orbax-to-hf ...,
+or --distributed), gathering one tensor at a time for process 0 to write. Bad input is reported
+as one line on stderr with exit code 2.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from delta_jax.cli import setup_logging
+import jax
+
+from delta_jax.cli import add_parallel_arguments, mesh_from_args, setup_logging, start_processes
 from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
 from delta_jax.convert import TOKENIZER_DIR, hf_to_orbax, orbax_to_hf
 from delta_jax.hf.keymap import ConversionError
@@ -44,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="initialise routing so that step 0 computes the original model")
     to_orbax.add_argument("--param-dtype", choices=DTYPES, default="float32",
                           help="stored parameter dtype (default float32, master weights)")
+    add_parallel_arguments(to_orbax, distributed=False)
 
     to_hf = commands.add_parser("orbax-to-hf", help="Orbax checkpoint -> Hugging Face folder")
     to_hf.add_argument("source", type=Path, help="Orbax checkpoint directory")
@@ -53,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
     to_hf.add_argument("--tokenizer-from", type=Path,
                        help=f"folder with tokenizer files (default: <source>/{TOKENIZER_DIR})")
+    add_parallel_arguments(to_hf)
     return parser
 
 
@@ -61,7 +68,8 @@ def _hf_to_orbax(args: argparse.Namespace) -> None:
         "residual", "num_blocks", "block_sources", "router_init", "null_source", "routing_gate",
         "gate_base") if getattr(args, field) is not None}
     model = hf_to_orbax(args.source, args.target, param_dtype=args.param_dtype, progress=True,
-                        preserve_function=args.preserve_function, **overrides)
+                        preserve_function=args.preserve_function, mesh=mesh_from_args(args),
+                        **overrides)
     tokenizer = args.target / TOKENIZER_DIR
     copied = len(list(tokenizer.iterdir())) if tokenizer.is_dir() else 0
     print(f"wrote {args.target} (step 0, residual={model.config.residual}, "
@@ -69,11 +77,14 @@ def _hf_to_orbax(args: argparse.Namespace) -> None:
 
 
 def _orbax_to_hf(args: argparse.Namespace) -> None:
+    start_processes(args)
+    main_process = jax.process_index() == 0
     model = orbax_to_hf(args.source, args.target, step=args.step, dtype=args.dtype,
                         max_shard_size=args.max_shard_size, tokenizer_from=args.tokenizer_from,
-                        progress=True)
-    print(f"wrote {args.target} (model_type "
-          f"{'qwen3' if model.config.residual == 'baseline' else 'qwen3_attnres'})")
+                        progress=main_process, mesh=mesh_from_args(args))
+    if main_process:
+        print(f"wrote {args.target} (model_type "
+              f"{'qwen3' if model.config.residual == 'baseline' else 'qwen3_attnres'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         {"hf-to-orbax": _hf_to_orbax, "orbax-to-hf": _orbax_to_hf}[args.command](args)
-    except (ConversionError, OSError) as err:
+    except (ConversionError, OSError, ValueError) as err:
         message = " ".join(str(err).split())  # one line, whatever the exception's layout
         print(f"delta_jax.convert: error: {message}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from delta_jax.data.prepare import METADATA, find_inputs, iter_documents
 from delta_jax.data.tokenizers import Tokenizer, check_token_ids, get_tokenizer
 from delta_jax.loading import data_tokenizer
 from delta_jax.model import CausalLM
+from delta_jax.sharding import mesh_of, on_mesh, put_batch, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +141,15 @@ def _batch_nll(graphdef, state, input_ids, labels, mask):
     """[B,T] ids, labels, mask -> (sum of NLL in nats over the mask, number of masked tokens)."""
     logits = nnx.merge(graphdef, state)(input_ids).astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)
+    return replicated((jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)))
 
 
 def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
                stride: int | None = None, batch_size: int = 8) -> dict:
     """Score `stream` in windows of `seq_len` (shortened to the stream) every `stride` tokens
     (default: seq_len). Returns tokens, windows, nll (mean nats/token), perplexity, bytes,
-    bits_per_byte (None without a tokenizer), seconds."""
+    bits_per_byte (None without a tokenizer), seconds. A model loaded onto a mesh runs there,
+    each batch split over (data, fsdp) where its size allows."""
     tokens = stream.tokens
     if len(tokens) < 2:
         raise ValueError(f"{stream.source}: {len(tokens)} token(s), need at least 2 to score one")
@@ -160,13 +162,15 @@ def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
     num_windows = len(window_starts(len(tokens), seq_len, stride))
     batch_size = min(batch_size, num_windows)
     graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
     total_nll, total_tokens = 0.0, 0
     begin = time.perf_counter()
-    for batch in window_batches(tokens, seq_len, stride, batch_size):
-        nll, count = _batch_nll(graphdef, state, batch["input_ids"], batch["labels"],
-                                batch["mask"])
-        total_nll += float(nll)
-        total_tokens += int(count)
+    with on_mesh(mesh):
+        for batch in window_batches(tokens, seq_len, stride, batch_size):
+            nll, count = _batch_nll(graphdef, state, *(put_batch(batch[k], mesh) for k in
+                                                      ("input_ids", "labels", "mask")))
+            total_nll += float(nll)
+            total_tokens += int(count)
     seconds = time.perf_counter() - begin
     mean = total_nll / total_tokens
     result = {"data": stream.source, "tokens": total_tokens, "windows": num_windows,

@@ -7,7 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from delta_jax.cli import add_model_arguments, setup_logging
+import jax
+
+from delta_jax.cli import add_model_arguments, setup_logging, start_processes
 from delta_jax.eval import perplexity, read_stream
 from delta_jax.loading import load_model_from_args
 
@@ -39,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for name in ("seq_len", "batch_size", "stride", "max_tokens"):
             if (value := getattr(args, name)) is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
+        start_processes(args)
         model, tokenizer = load_model_from_args(args)
         stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                              max_tokens=args.max_tokens)
@@ -47,10 +50,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                                     batch_size=args.batch_size)}
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    if jax.process_index() == 0:  # every process computed the same result
+        text = json.dumps(result, indent=1)
+        print(text)
+        if args.output:
+            Path(args.output).write_text(text + "\n")
     return result
 
 

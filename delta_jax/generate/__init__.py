@@ -27,6 +27,7 @@ from flax import nnx
 
 from delta_jax.data.tokenizers import check_token_ids
 from delta_jax.model import CausalLM
+from delta_jax.sharding import mesh_of, on_mesh, put_batch, replicated
 
 PAD_ID = 0  # left padding; masked out by the cache, so any id will do
 
@@ -108,7 +109,7 @@ def _generate(graphdef, state, prompt, start, key, eos_id, *, max_new_tokens: in
 
     steps, _, _, tokens, kept, _ = jax.lax.while_loop(
         cond, body, (jnp.int32(1), token, cache, tokens, kept, done))
-    return tokens, steps, kept
+    return replicated((tokens, steps, kept))
 
 
 @dataclasses.dataclass
@@ -141,7 +142,8 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
 
     `max_length` bounds prompt + new tokens (the model's context); `eos_id` stops a row.
     Rounding the padded prompt length up to `pad_multiple` lets calls with prompts of
-    different lengths share one compilation.
+    different lengths share one compilation. A model loaded onto a mesh decodes there, the
+    prompts split over (data, fsdp) where their number allows.
     """
     if not prompts:
         raise ValueError("no prompt given")
@@ -156,11 +158,13 @@ def generate(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_token
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     ids, start = left_pad(prompts, pad_multiple)
     graphdef, state = nnx.split(model)
+    mesh = mesh_of(state)
     begin = time.perf_counter()
-    tokens, steps, logits = _generate(
-        graphdef, state, ids, start, jax.random.key(seed),
-        jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens,
-        sampling=sampling, keep_logits=keep_logits)
+    with on_mesh(mesh):
+        tokens, steps, logits = _generate(
+            graphdef, state, put_batch(ids, mesh), put_batch(start, mesh), jax.random.key(seed),
+            jnp.int32(-1 if eos_id is None else eos_id), max_new_tokens=max_new_tokens,
+            sampling=sampling, keep_logits=keep_logits)
     tokens = np.asarray(tokens)
     seconds = time.perf_counter() - begin
     lengths = np.full(len(prompts), max_new_tokens)

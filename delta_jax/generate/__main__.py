@@ -8,7 +8,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from delta_jax.cli import add_model_arguments, setup_logging
+import jax
+
+from delta_jax.cli import add_model_arguments, setup_logging, start_processes
 from delta_jax.data.tokenizers import Tokenizer
 from delta_jax.generate import Sampling, decode_memory, generate
 from delta_jax.loading import load_model_from_args
@@ -54,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        start_processes(args)
         model, tokenizer = load_model_from_args(args)
         prompts = _prompts(args, tokenizer)
         sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
@@ -83,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.memory:
         result["memory"] = decode_memory(model, len(prompts),
                                          max(map(len, prompts)) + args.max_new_tokens)
+    if jax.process_index() != 0:  # every process decoded the same tokens; one prints them
+        return result
     if args.json:
         print(json.dumps(result))
     else:

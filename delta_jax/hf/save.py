@@ -4,6 +4,8 @@ The baseline is written as model_type qwen3 (transformers' Qwen3ForCausalLM load
 variants as the reference implementation's qwen3_attnres with its key names (keymap.py). The
 folder is built beside the target under a temporary name and renamed into place once complete,
 so an interrupted save leaves the previous folder (or none), never a half-written model.
+From a multi-process run (a model sharded over hosts) every process takes part in gathering each
+tensor and process 0 alone writes.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from delta_jax.config import ModelConfig
@@ -95,13 +99,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def _atomic_folder(target: Path) -> Iterator[Path]:
-    """Yield a fresh folder beside `target`; on success it replaces `target` by renames."""
+def _check_replaceable(target: Path) -> None:
     if target.exists() and not (target.is_dir() and ((target / CONFIG).is_file()
                                                      or not any(target.iterdir()))):
         raise ConversionError(f"{target}: exists and is not a model folder; refusing to replace "
                               "it")
+
+
+@contextlib.contextmanager
+def _atomic_folder(target: Path) -> Iterator[Path]:
+    """Yield a fresh folder beside `target`; on success it replaces `target` by renames."""
+    _check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     staging = target.parent / f".{target.name}.tmp-{tag}"
@@ -132,7 +140,8 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
     dtype: storage dtype of the tensors (default: the model's param dtype).
     tokenizer_from: a folder whose tokenizer files (TOKENIZER_FILES) are copied along.
     max_shard_size: above it the weights are split into shards with an index, as transformers.
-    Returns the folder. Needs the model's arrays fully addressable (a single process).
+    Returns the folder. Every process of a multi-process run calls this (the tensors are gathered
+    from all of them, one at a time); process 0 writes, and all return once the folder is there.
     """
     cfg = model.config
     _check_mapped(model)
@@ -145,6 +154,20 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
     shards = _shards(layout, parse_size(max_shard_size))
     hf_config = {**config_to_hf(cfg), "dtype": dtype}
     target = Path(path)
+    _check_replaceable(target)  # on every process, so that none starts gathering alone
+    if jax.process_index() == 0:
+        _write_folder(model, target, dtype, layout, shards, hf_config, tokenizer_from, progress)
+    else:
+        for _ in iter_hf_tensors(model, jnp.dtype(dtype)):  # take part in each gather
+            pass
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"save_pretrained {target}")
+    return target
+
+
+def _write_folder(model: CausalLM, target: Path, dtype: str, layout: list[TensorInfo],
+                  shards: list[list[TensorInfo]], hf_config: dict, tokenizer_from, progress: bool
+                  ) -> None:
     with _atomic_folder(target) as staging, \
             tqdm(total=len(layout), desc=f"saving {target.name}", unit="tensor",
                  disable=not progress) as bar:
@@ -171,4 +194,3 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_from) / name).is_file():
                     shutil.copyfile(Path(tokenizer_from) / name, staging / name)
-    return target

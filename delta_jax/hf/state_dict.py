@@ -2,13 +2,15 @@
 
 Conventions: L layers. "HF layout": one torch-layout tensor per Hugging Face name (per layer);
 "our layout": the nnx.State, per-layer tensors stacked on a leading L axis. Tensors are read and
-converted one key-table rule at a time, so the host holds one stacked parameter beyond the model.
+converted one key-table rule at a time, so the host holds one stacked parameter beyond the model;
+they are written out one Hugging Face tensor at a time.
 A *conversion* turns a plain Qwen3 checkpoint into a routing variant: the backbone comes from the
 checkpoint and only the routing parameters it lacks are initialised (`plan_conversion`).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
@@ -31,7 +34,9 @@ from delta_jax.hf.keymap import (
 )
 from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.model.routing import RoutingSite
-from delta_jax.sharding import state_shardings
+from delta_jax.sharding import placement, state_shardings
+
+logger = logging.getLogger(__name__)
 
 # The fields that define a checkpoint's routing; a qwen3_attnres checkpoint fixes them.
 ROUTING_FIELDS = ("residual", "num_blocks", "block_sources", "null_source", "routing_gate",
@@ -200,6 +205,8 @@ def from_converted(cfg: ModelConfig, tensors: Iterator[tuple[KeyRule, np.ndarray
                 raise ConversionError(f"parameter {'.'.join(path)} of residual={cfg.residual!r} "
                                       "has no Hugging Face tensor to load it from")
             place(path, fresh[path])
+    if mesh is not None:
+        logger.info("%s", placement(params, mesh))
     return nnx.merge(graphdef, params, rest)
 
 
@@ -221,17 +228,33 @@ def from_state_dict(hf_config: Mapping[str, Any], state_dict: Mapping[str, np.nd
                        source="state_dict", **overrides)
 
 
+@jax.jit
+def _layer(stack: jax.Array, index) -> jax.Array:
+    """stack [L, ...] -> layer `index` [...], laid out like the stack's other dimensions."""
+    return jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    """The whole of `array` on this host. An array spread over several processes is gathered,
+    a collective: every process calls this for the same arrays in the same order."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return multihost_utils.process_allgather(array, tiled=True)
+
+
 def iter_hf_tensors(model: CausalLM, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, tensor in HF layout) one at a time in key-table order, cast to `dtype`
-    (default: the param dtype). Holds one stacked parameter on the host at a time; the model's
-    arrays must be fully addressable (a single process)."""
+    (default: the param dtype). The host holds one Hugging Face tensor (one layer of a stacked
+    parameter) at a time. For a model sharded over several processes every process must draw
+    the whole stream in step (each tensor is gathered from all of them) and receives it."""
     cfg = model.config
     state = nnx.state(model, nnx.Param)
     for rule in active_rules(cfg):
-        array = np.asarray(jax.device_get(_get_path(state, rule.ours)[...]))
-        parts = array if rule.per_layer else [array]
-        for name, part in zip(hf_names(rule, cfg), parts):
-            yield name, np.array(rule.to_hf(part, cfg), dtype=dtype or array.dtype, order="C")
+        value = _get_path(state, rule.ours)[...]
+        names = hf_names(rule, cfg)
+        for index, name in enumerate(names):
+            part = _to_host(_layer(value, np.int32(index)) if rule.per_layer else value)
+            yield name, np.array(rule.to_hf(part, cfg), dtype=dtype or part.dtype, order="C")
 
 
 def to_state_dict(model: CausalLM) -> dict[str, np.ndarray]:

@@ -5,7 +5,8 @@
         --tasks hellaswag
 
 runs lm-eval's own command line (__main__.py) with this model registered (plain `lm_eval` does
-not import it). From Python:
+not import it). `data=D,fsdp=F,tensor=T` in --model_args (any of them) load the model onto that
+device mesh, as --mesh D,F,T of the other tools (one size may be -1: the devices left). From Python:
 `lm_eval.simple_evaluate(model=DeltaJaxLM(pretrained=PATH), tasks=[...])`. Requires
 `pip install lm_eval==0.4.13`.
 """
@@ -20,16 +21,22 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from delta_jax.generate import Sampling, generate
 from delta_jax.loading import load_model
 from delta_jax.scoring import encode_pair, loglikelihood
+from delta_jax.sharding import make_mesh
 
 
 @register_model("delta_jax")
 class DeltaJaxLM(LM):
     def __init__(self, pretrained: str, tokenizer: str | None = None, batch_size: int | str = 8,
-                 max_length: int | str = 2048, dtype: str | None = None, **harness_options):
+                 max_length: int | str = 2048, dtype: str | None = None,
+                 data: int | str | None = None, fsdp: int | str | None = None,
+                 tensor: int | str | None = None, **harness_options):
         # harness_options: what lm-eval passes to every model (device, max_batch_size, ...).
         super().__init__()
+        sizes = (data, fsdp, tensor)
+        mesh = (None if sizes == (None, None, None) else
+                make_mesh(*(1 if n is None else int(n) for n in sizes)))
         self.model, self.tokenizer = load_model(
-            pretrained, tokenizer=tokenizer, **({"dtype": dtype} if dtype else {}))
+            pretrained, tokenizer=tokenizer, mesh=mesh, **({"dtype": dtype} if dtype else {}))
         if self.tokenizer is None:
             raise ValueError(f"{pretrained}: lm-eval needs a tokenizer; pass tokenizer=byte, "
                              "qwen3 or a tokenizer.json path in --model_args")

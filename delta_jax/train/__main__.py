@@ -4,23 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from delta_jax.cli import setup_logging
-from delta_jax.train.config import DistributedConfig, load_config
-
-
-def initialize_distributed(cfg: DistributedConfig) -> None:
-    """jax.distributed.initialize before any device is touched; a no-op unless enabled.
-
-    With coordinator_address/num_processes/process_id unset, SLURM and Cloud TPU pods describe
-    themselves to JAX. CPU processes talk through gloo.
-    """
-    if not cfg.enabled:
-        return
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                               num_processes=cfg.num_processes, process_id=cfg.process_id)
+from delta_jax.cli import initialize_distributed, setup_logging
+from delta_jax.train.config import load_config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +29,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(dump_config(cfg), end="")
         return
-    initialize_distributed(cfg.distributed)
+    if cfg.distributed.enabled:
+        initialize_distributed(cfg.distributed.coordinator_address,
+                               cfg.distributed.num_processes, cfg.distributed.process_id)
     import jax
 
     from delta_jax.train import faults

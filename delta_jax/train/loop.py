@@ -69,16 +69,7 @@ SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat"}
 
 def build_mesh(cfg: MeshConfig) -> Mesh:
     """The configured mesh over all devices of all processes; a -1 axis takes the rest."""
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
-    devices = jax.device_count()
-    fixed = math.prod(n for n in sizes.values() if n != -1)
-    for axis, n in sizes.items():
-        if n == -1:
-            if devices % fixed:
-                raise ValueError(f"mesh.{axis}=-1: {devices} devices do not split over the "
-                                 f"other axes' {fixed}")
-            sizes[axis] = devices // fixed
-    return make_mesh(**sizes)
+    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor)
 
 
 def data_source(cfg: RunConfig) -> str | Path:
