@@ -11,7 +11,7 @@ from delta_jax import ModelConfig, init_model
 from delta_jax.checkpoint import save_checkpoint
 from delta_jax.data.prepare import prepare
 from delta_jax.data.tokenizers import get_tokenizer
-from delta_jax.eval import perplexity, read_stream, window_starts
+from delta_jax.eval import TokenStream, perplexity, read_stream, window_starts
 from delta_jax.eval.__main__ import main
 
 TEXT = Path(__file__).parent / "data" / "udhr_article1.txt"
@@ -164,3 +164,21 @@ def test_cli_bad_input_exits_2(checkpoint, tmp_path, capsys, args, message):
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_documents_packing_scores_each_document_as_if_alone(model):
+    """Three documents in one window: with packing="documents" the summed NLL is the sum of each
+    document scored alone (the token after each EOS, the next document's first, unscored), and
+    it differs from concat, where the documents see each other."""
+    texts = ["All human beings are born free.", "They are endowed with reason.", "Article 2."]
+    docs = [np.append(BYTE.encode_array(t), BYTE.eos_id).astype(np.int32) for t in texts]
+    stream = TokenStream(np.concatenate(docs), BYTE, "three documents")
+    packed = perplexity(model, stream, seq_len=4096, packing="documents")
+    alone = [perplexity(model, TokenStream(d, BYTE, "one"), seq_len=4096) for d in docs]
+    assert packed["tokens"] == sum(r["tokens"] for r in alone) == len(stream.tokens) - 3
+    np.testing.assert_allclose(packed["nll"] * packed["tokens"],
+                               sum(r["nll"] * r["tokens"] for r in alone), rtol=1e-5)
+    concat = perplexity(model, stream, seq_len=4096)
+    assert concat["tokens"] == len(stream.tokens) - 1 and concat["nll"] != packed["nll"]
+    with pytest.raises(ValueError, match="packing='documents' needs the tokenizer"):
+        perplexity(model, TokenStream(stream.tokens, None, "no tokenizer"), packing="documents")

@@ -30,7 +30,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from delta_jax.data.pipeline import PreparedSplit, build_eval_iterator
+from delta_jax.data.pipeline import (
+    PACKINGS,
+    PreparedSplit,
+    build_eval_iterator,
+    document_segments,
+)
 from delta_jax.data.prepare import METADATA, find_inputs, iter_documents
 from delta_jax.data.tokenizers import Tokenizer, check_token_ids, get_tokenizer
 from delta_jax.loading import data_tokenizer
@@ -115,10 +120,14 @@ def window_starts(num_tokens: int, seq_len: int, stride: int) -> list[int]:
     return starts
 
 
-def window_batches(tokens: np.ndarray, seq_len: int, stride: int,
-                   batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+def window_batches(tokens: np.ndarray, seq_len: int, stride: int, batch_size: int,
+                   eos_id: int | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Batches {"input_ids", "labels", "mask"} [B, T] (int32, int32, bool) of the strided windows;
-    mask marks the labels this window scores. The last batch is padded with empty windows."""
+    mask marks the labels this window scores. The last batch is padded with empty windows.
+
+    With `eos_id` (documents packing, docs/data.md#packing) the batches also hold segment_ids
+    and positions, and the label after an EOS input is not scored: the model, kept inside the
+    document, cannot see the next one coming."""
     n = len(tokens)
     starts = window_starts(n, seq_len, stride)
     scored_until = 1  # stream index of the first label not yet scored
@@ -133,23 +142,33 @@ def window_batches(tokens: np.ndarray, seq_len: int, stride: int,
             label_index = start + 1 + np.arange(seq_len)
             batch["mask"][row] = (label_index >= scored_until) & (label_index < n)
             scored_until = min(start + 1 + seq_len, n)
+        if eos_id is not None:
+            batch["segment_ids"], batch["positions"] = document_segments(batch["input_ids"],
+                                                                         eos_id)
+            batch["mask"] &= batch["input_ids"] != eos_id
         yield batch
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _batch_nll(graphdef, state, input_ids, labels, mask):
-    """[B,T] ids, labels, mask -> (sum of NLL in nats over the mask, number of masked tokens)."""
-    logits = nnx.merge(graphdef, state)(input_ids).astype(jnp.float32)
+def _batch_nll(graphdef, state, input_ids, labels, mask, segment_ids=None, positions=None):
+    """[B,T] ids, labels, mask (and segment ids, positions of packed documents) -> (sum of NLL
+    in nats over the mask, number of masked tokens)."""
+    logits = nnx.merge(graphdef, state)(input_ids, segment_ids=segment_ids,
+                                        positions=positions).astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return replicated((jnp.sum(jnp.where(mask, nll, 0.0)), jnp.sum(mask)))
 
 
 def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
-               stride: int | None = None, batch_size: int = 8) -> dict:
+               stride: int | None = None, batch_size: int = 8, packing: str = "concat") -> dict:
     """Score `stream` in windows of `seq_len` (shortened to the stream) every `stride` tokens
     (default: seq_len). Returns tokens, windows, nll (mean nats/token), perplexity, bytes,
     bits_per_byte (None without a tokenizer), seconds. A model loaded onto a mesh runs there,
-    each batch split over (data, fsdp) where its size allows."""
+    each batch split over (data, fsdp) where its size allows.
+
+    `packing` is the training data's (docs/data.md#packing): "concat" lets a window's documents
+    attend to each other; "documents" keeps each within itself (positions restart after every
+    EOS) and leaves the token after each EOS unscored, so it needs the stream's tokenizer."""
     tokens = stream.tokens
     if len(tokens) < 2:
         raise ValueError(f"{stream.source}: {len(tokens)} token(s), need at least 2 to score one")
@@ -159,6 +178,14 @@ def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
         raise ValueError(f"stride={stride} is invalid: expected 1 <= stride <= seq_len={seq_len}")
     seq_len = min(seq_len, len(tokens) - 1)  # a short stream is one shorter window
     stride = min(stride, seq_len)
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} is invalid: expected one of {', '.join(PACKINGS)}")
+    eos_id = None
+    if packing == "documents":
+        if stream.tokenizer is None:
+            raise ValueError(f"{stream.source}: packing='documents' needs the tokenizer's EOS "
+                             "id, and this stream has no tokenizer (pass --tokenizer)")
+        eos_id = stream.tokenizer.eos_id
     num_windows = len(window_starts(len(tokens), seq_len, stride))
     batch_size = min(batch_size, num_windows)
     graphdef, state = nnx.split(model)
@@ -166,15 +193,16 @@ def perplexity(model: CausalLM, stream: TokenStream, *, seq_len: int = 2048,
     total_nll, total_tokens = 0.0, 0
     begin = time.perf_counter()
     with on_mesh(mesh):
-        for batch in window_batches(tokens, seq_len, stride, batch_size):
-            nll, count = _batch_nll(graphdef, state, *(put_batch(batch[k], mesh) for k in
-                                                      ("input_ids", "labels", "mask")))
+        for batch in window_batches(tokens, seq_len, stride, batch_size, eos_id):
+            nll, count = _batch_nll(graphdef, state, **{k: put_batch(v, mesh)
+                                                        for k, v in batch.items()})
             total_nll += float(nll)
             total_tokens += int(count)
     seconds = time.perf_counter() - begin
     mean = total_nll / total_tokens
     result = {"data": stream.source, "tokens": total_tokens, "windows": num_windows,
-              "seq_len": seq_len, "stride": stride, "nll": mean, "perplexity": math.exp(mean),
+              "seq_len": seq_len, "stride": stride, "packing": packing, "nll": mean,
+              "perplexity": math.exp(mean),
               "bytes": None, "bits_per_byte": None, "seconds": seconds}
     if stream.tokenizer is not None:
         scored = tokens[1:]

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 
 from delta_jax.cli import add_model_arguments, setup_logging, start_processes
+from delta_jax.data.pipeline import PACKINGS
 from delta_jax.eval import perplexity, read_stream
 from delta_jax.loading import load_model_from_args
 
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=2048, help="window length T")
     parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--packing", choices=PACKINGS, default="concat",
+                        help="as the model was trained (data.packing): concat lets a window's "
+                             "documents attend to each other, documents keeps them apart "
+                             "(default: concat)")
     parser.add_argument("--max-tokens", type=int, help="read at most this many tokens")
     parser.add_argument("--output", help="also write the JSON result to this file")
     return parser
@@ -47,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              max_tokens=args.max_tokens)
         result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,
                                                     stride=args.stride,
-                                                    batch_size=args.batch_size)}
+                                                    batch_size=args.batch_size,
+                                                    packing=args.packing)}
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if jax.process_index() == 0:  # every process computed the same result
