@@ -88,6 +88,17 @@ def started_from(output: str) -> dict[str, str]:
     return dict(re.findall(r"process (\d): (.+?) \(step", output))
 
 
+def restart_resumes_bitwise(cfg, step: int, reference) -> str:
+    """Launch `cfg` again: both processes resume from checkpoint `step` and the run ends bitwise
+    equal to `reference`; the launcher's output."""
+    returncode, output = finish(launch(cfg))
+    assert returncode == 0, output[-3000:]
+    where = f"resumed from {Path(cfg.output_dir).absolute() / 'checkpoints' / str(step)}"
+    assert started_from(output) == {"0": where, "1": where}, output[-3000:]
+    assert_bitwise(cfg.output_dir, reference)
+    return output
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(data_dir, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("two_process")
@@ -115,11 +126,7 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(uninterrupted, data
     data_state = Path(cfg.output_dir) / "checkpoints" / str(step) / "data"
     assert sorted(p.name for p in data_state.glob("*.json")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
-    returncode, output = finish(launch(cfg))
-    assert returncode == 0, output[-3000:]
-    where = f"resumed from {Path(cfg.output_dir).absolute() / 'checkpoints' / str(step)}"
-    assert started_from(output) == {"0": where, "1": where}
-    assert_bitwise(cfg.output_dir, reference)
+    restart_resumes_bitwise(cfg, step, reference)
     print(f"\nFAULT SIGTERM to process 1 at step 3: both saved step {step} and exited 75 "
           f"(launcher exit {took:.1f} s after the signal); resumed bitwise: yes")
 
@@ -139,11 +146,7 @@ def test_sigkill_of_one_process_stops_the_other_and_resumes(uninterrupted, data_
         train_process(cfg.output_dir, 0)
     last = max(int(p.name) for p in (Path(cfg.output_dir) / "checkpoints").iterdir()
                if p.name.isdigit())
-    returncode, output = finish(launch(cfg))
-    assert returncode == 0, output[-3000:]
-    where = f"resumed from {Path(cfg.output_dir).absolute() / 'checkpoints' / str(last)}"
-    assert started_from(output) == {"0": where, "1": where}
-    assert_bitwise(cfg.output_dir, reference)
+    restart_resumes_bitwise(cfg, last, reference)
     print(f"\nFAULT SIGKILL of process 1 at step 12+: launcher exit 137, process 0 stopped "
           f"{took:.1f} s after the kill; resumed from step {last}, bitwise: yes")
 
@@ -162,11 +165,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_both(uninterrupted, data_dir)
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     cfg = config(data_dir, out, *OVERRIDES)
     started = time.time()
-    returncode, output = finish(launch(cfg))
-    assert returncode == 0, output[-3000:]
-    where = f"resumed from {out.absolute() / 'checkpoints' / '30'}"
-    assert started_from(output) == {"0": where, "1": where}, output[-3000:]
+    output = restart_resumes_bitwise(cfg, 30, reference)
     assert "damaged checkpoint" in output and (out / "checkpoints" / f"{STEPS}.corrupt").is_dir()
-    assert_bitwise(out, reference)
     print(f"\nFAULT newest checkpoint damaged: both fell back to step 30 "
           f"(run done in {time.time() - started:.1f} s); bitwise: yes")
