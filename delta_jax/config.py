@@ -17,12 +17,14 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
 ROUTING_KERNELS = ("xla", "pallas")
+ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# routing_kernel, attention) only change how the same function is computed; checkpoints may move
-# between them.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "routing_kernel", "attention")
+# unroll_layers, routing_kernel, routing_logits, attention) only change how the same function
+# is computed; checkpoints may move between them.
+RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
+                  "routing_kernel", "routing_logits", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +61,18 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of the parameters (master weights)
     remat: str = "none"
     layer_driver: str = "lean"
+    # Write the lean and scan drivers' layer loops out layer by layer: the same program without
+    # while loops, whose cost analysis then counts every layer (the planner's cost twin,
+    # delta_jax/plan/compile.py). Compiles in time linear in the depth.
+    unroll_layers: bool = False
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
     routing_kernel: str = "xla"
+    # When a buffer source's routing logits are computed: "read", by each site from the values
+    # it reads (two passes over the [S,B,T,D] buffer per site: logits, then the weighted sum);
+    # "write", once per source for every site when it is written (one [B,T,D] x [D,G] matmul),
+    # so that a site reads the values once. The same function; "xla" kernel only.
+    routing_logits: str = "read"
     # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
     # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
     # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
@@ -88,13 +99,23 @@ class ModelConfig:
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
                                ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES),
-                               ("routing_kernel", ROUTING_KERNELS), ("attention", ATTENTION_KINDS)):
+                               ("routing_kernel", ROUTING_KERNELS),
+                               ("routing_logits", ROUTING_LOGITS),
+                               ("attention", ATTENTION_KINDS)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
+        if self.routing_kernel == "pallas" and self.routing_logits == "write":
+            raise ValueError(
+                "ModelConfig.routing_logits='write' is invalid with routing_kernel='pallas': the "
+                "Pallas kernel forms the logits in its own pass over the buffer; use "
+                "routing_logits='read' with it, or routing_kernel='xla'")
         if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
+        for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "true or false")
         if not self.rms_norm_eps > 0:
             fail("rms_norm_eps", "a positive float")
         if not self.rope_theta > 0:

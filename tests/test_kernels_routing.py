@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from routing_fixtures import open_gates_and_nulls
 
 from delta_jax import ModelConfig, init_model
 from delta_jax.config import RUNTIME_FIELDS
@@ -187,21 +188,9 @@ def test_route_buffer_with_a_partial_last_token_tile(monkeypatch):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
 
 
-def _set_gates_and_nulls(model):
-    """Gates open (0.7) and null sources off zero, so that every routed term counts."""
-    for site in (model.layers.attn_site, model.layers.mlp_site, model.final_site):
-        if site is None:
-            continue
-        if site.gate is not None:
-            site.gate[...] = jnp.full(site.gate.shape, 0.7)
-        if site.null is not None:
-            site.null[...] = jax.random.normal(jax.random.key(3), site.null.shape)
-    return model
-
-
 def _model_loss_and_grads(cfg, driver):
     ids = jax.random.randint(jax.random.key(0), (2, 12), 0, 128)
-    model = _set_gates_and_nulls(init_model(cfg, 5))
+    model = open_gates_and_nulls(init_model(cfg, 5))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(p):

@@ -95,6 +95,26 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
 
 
+@pytest.mark.parametrize("driver", ["lean"])
+def test_cost_twin_counts_every_layer(driver):
+    """The twin (the same driver, loops unrolled) grows by the same FLOPs per added layer pair,
+    where the real program's while loop is counted once whatever the depth."""
+    from delta_jax.plan.compile import _prepare, cost_twin
+    from delta_jax.plan.topology import resolve
+    from delta_jax.train.config import load_config
+
+    def flops(layers: int, twin: bool) -> float:
+        run = load_config("configs/220m.yaml", [*TINY, f"model.num_layers={layers}",
+                                                 "model.residual=delta",
+                                                 f"model.layer_driver={driver}"])
+        _, compile_fn = _prepare(cost_twin(run) if twin else run, resolve("cpu:1", 1))
+        return compile_fn().cost_analysis()["flops"]
+
+    twin = [flops(n, twin=True) for n in (2, 4, 6)]
+    assert twin[2] - twin[1] > 0.9 * (twin[1] - twin[0]) > 0
+    assert flops(6, twin=False) < twin[1]  # the loop's body counted once
+
+
 @needs_libtpu
 def test_tiny_model_over_a_small_hbm_override_does_not_fit(tmp_path):
     out = tmp_path / "plan.json"

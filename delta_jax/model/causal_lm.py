@@ -66,6 +66,19 @@ class CausalLM(nnx.Module):
         head = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...])
         return constrain(hidden.astype(dtype) @ head.astype(dtype), ("batch", "seq", "vocab"))
 
+    def site_queries(self) -> jax.Array:
+        """[G,D] float32: every routing site's w*g in call order (layer l's attention site at
+        2l, its MLP site at 2l+1, the final site last), for logits computed at write time."""
+        def wg(site: RoutingSite) -> jax.Array:
+            return site.query[...].astype(jnp.float32) * site.norm[...].astype(jnp.float32)
+
+        layers = self.layers
+        per_layer = jnp.stack([wg(layers.attn_site), wg(layers.mlp_site)], axis=1)  # [L,2,D]
+        queries = per_layer.reshape(-1, per_layer.shape[-1])
+        if self.final_site is not None:
+            queries = jnp.concatenate([queries, wg(self.final_site)[None]])
+        return queries
+
     def init_cache(self, batch: int, capacity: int, start: jax.Array | None = None) -> LayerCache:
         """An empty decoding cache: k, v [L,B,capacity,K,hd]; start [B] marks left padding."""
         cfg = self.config
@@ -101,9 +114,13 @@ class CausalLM(nnx.Module):
         embeddings = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(dtype)
 
         plan = self.schedule
-        buffer = SourceBuffer.zeros(plan.num_slots, batch, length, cfg.hidden_size, dtype)
+        writes_logits = cfg.routing_logits == "write" and plan.num_slots > 0
+        site_queries = self.site_queries() if writes_logits else None
+        buffer = SourceBuffer.zeros(plan.num_slots, batch, length, cfg.hidden_size, dtype,
+                                    site_queries=site_queries)
         if plan.embedding_in_slot0:
-            buffer = buffer.commit((Write.of(embeddings, 0, cfg.rms_norm_eps),))
+            buffer = buffer.commit((Write.of(embeddings, 0, cfg.rms_norm_eps,
+                                             site_queries=site_queries),))
         carry = Carry(TokenState(embeddings, embeddings if cfg.carries_stream else None), buffer)
 
         driver = driver or cfg.layer_driver
@@ -119,7 +136,8 @@ class CausalLM(nnx.Module):
             return nnx.merge(graphdef, params_l)(c, row, context)
 
         carry, (site_weights, layer_caches) = DRIVERS[driver](
-            with_remat(step, cfg.remat), layer_inputs, carry, plan.rows())
+            with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
+            unroll=cfg.unroll_layers)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)
@@ -127,7 +145,7 @@ class CausalLM(nnx.Module):
         out, final_weights = carry.state.h, None
         if self.final_site is not None:
             mix, final_weights = self.final_site(carry.buffer, plan.final_visible,
-                                                 live=carry.state.h)
+                                                 site=2 * cfg.num_layers, live=carry.state.h)
             out = self.final_site.gated(carry.state.stream, mix)
         hidden = self.norm(out)
         routing = None

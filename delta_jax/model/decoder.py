@@ -10,6 +10,7 @@ lean backward pass accumulate their cotangents in place instead of copying the b
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -61,21 +62,28 @@ class DecoderLayer(nnx.Module):
 
 
 def additive_input(site: RoutingSite, buffer: SourceBuffer, visible, h: jax.Array,
-                   fresh: Write | None = None) -> tuple[jax.Array, jax.Array]:
+                   index, fresh: Write | None = None) -> tuple[jax.Array, jax.Array]:
     """Delta modes' sublayer input h + mix (gated against h); h itself with no source.
-    -> (input [B,T,D], weights [N_pad,B,T])."""
-    mix, weights = site(buffer, visible, fresh=fresh)
+    `index` is the site's place in the call order. -> (input [B,T,D], weights [N_pad,B,T])."""
+    mix, weights = site(buffer, visible, site=index, fresh=fresh)
     return site.gated(h, h + mix), weights
 
 
 def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: jax.Array,
-                      stream: jax.Array | None, fresh: Write | None = None
+                      stream: jax.Array | None, index, fresh: Write | None = None
                       ) -> tuple[jax.Array, jax.Array]:
     """AttnRes modes' sublayer input: the mix over the committed sources and the live state,
     gated against the live state (the reference) or the residual stream (gate_base="stream").
     -> (input [B,T,D], weights [N_pad,B,T])."""
-    mix, weights = site(buffer, visible, fresh=fresh, live=live)
+    mix, weights = site(buffer, visible, site=index, fresh=fresh, live=live)
     return site.gated(live if stream is None else stream, mix), weights
+
+
+def _writer(layer: DecoderLayer, buffer: SourceBuffer) -> Callable[..., Write]:
+    """Write.of for this layer's sources: the buffer's dtype, and the logits at every site when
+    the buffer holds them (routing_logits="write")."""
+    return functools.partial(Write.of, eps=layer.cfg.rms_norm_eps, dtype=buffer.values.dtype,
+                             site_queries=buffer.site_queries)
 
 
 def baseline_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
@@ -99,18 +107,19 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     section 6), which every site's gate starts from.
     """
     full = layer.cfg.residual == "full"
-    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    write = _writer(layer, carry.buffer)
     h, stream, slot = carry.state.h, carry.state.stream, row.first_write
-    x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream)
-    committed = Write.of(h, slot, eps, when=None if full else row.boundary, dtype=dtype)
+    x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream,
+                                  2 * row.layer)
+    committed = write(h, slot, when=None if full else row.boundary)
     a, cache = layer.attention(x, ctx)
     live = a if full else jnp.where(row.boundary, jnp.zeros_like(h), h) + a
     stream = None if stream is None else stream + a
     x, w_mlp = replacement_input(layer.mlp_site, carry.buffer, slot, live, stream,
-                                 fresh=committed)
+                                 2 * row.layer + 1, fresh=committed)
     m = layer.feed_forward(x)
     state = TokenState(m if full else live + m, None if stream is None else stream + m)
-    writes = (committed, Write.of(a, slot + 1, eps, dtype=dtype)) if full else (committed,)
+    writes = (committed, write(a, slot + 1)) if full else (committed,)
     return LayerOutput(state, writes, (w_attn, w_mlp), cache)
 
 
@@ -118,15 +127,16 @@ def delta_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
                 ctx: LayerContext) -> LayerOutput:
     """Delta AttnRes (docs/spec.md section 3): every sublayer output is a source, and each
     sublayer reads h + the routed mix; the embedding is source 0, written before the loop."""
-    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    write = _writer(layer, carry.buffer)
     h, slot = carry.state.h, row.first_write
-    x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h)
+    x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h, 2 * row.layer)
     a, cache = layer.attention(x, ctx)
-    first = Write.of(a, slot, eps, dtype=dtype)
+    first = write(a, slot)
     h = h + a
-    x, w_mlp = additive_input(layer.mlp_site, carry.buffer, slot, h, fresh=first)
+    x, w_mlp = additive_input(layer.mlp_site, carry.buffer, slot, h, 2 * row.layer + 1,
+                              fresh=first)
     m = layer.feed_forward(x)
-    second = Write.of(m, slot + 1, eps, dtype=dtype)
+    second = write(m, slot + 1)
     return LayerOutput(TokenState(h + m), (first, second), (w_attn, w_mlp), cache)
 
 
@@ -135,9 +145,9 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     """Delta Block (docs/spec.md section 3): at a block boundary the stream's change since
     the previous source is committed (block_sources "reference": h - S[-1]; "paper":
     h - sum(S)); the attention site routes before that write, the MLP site after it."""
-    eps, dtype = layer.cfg.rms_norm_eps, carry.buffer.values.dtype
+    write = _writer(layer, carry.buffer)
     h, slot, buffer = carry.state.h, row.first_write, carry.buffer
-    x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h)
+    x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h, 2 * row.layer)
     a, cache = layer.attention(x, ctx)
     # Unwritten slots are zero in the forward pass, so both rules give h itself for the first
     # block; the masks keep them right over the final buffer in the lean backward pass.
@@ -147,10 +157,10 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     else:
         before = jnp.arange(buffer.values.shape[0]) < slot
         previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
-    committed = Write.of(h - previous.astype(h.dtype), slot, eps, when=row.boundary,
-                         dtype=dtype)
+    committed = write(h - previous.astype(h.dtype), slot, when=row.boundary)
     h = h + a
-    x, w_mlp = additive_input(layer.mlp_site, buffer, slot, h, fresh=committed)
+    x, w_mlp = additive_input(layer.mlp_site, buffer, slot, h, 2 * row.layer + 1,
+                              fresh=committed)
     return LayerOutput(TokenState(h + layer.feed_forward(x)), (committed,), (w_attn, w_mlp),
                        cache)
 

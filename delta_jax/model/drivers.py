@@ -42,15 +42,16 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
     return Carry(out.state, carry.buffer.commit(out.writes)), (out.weights, out.cache)
 
 
-def run_scan(step, inputs, carry: Carry, rows: ScheduleRow):
+def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False):
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
 
-    return jax.lax.scan(body, carry, (inputs, jnp.arange(rows.num_layers)))
+    return jax.lax.scan(body, carry, (inputs, jnp.arange(rows.num_layers)), unroll=unroll)
 
 
-def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow):
+def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True):
+    del unroll  # always unrolled
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -59,18 +60,19 @@ def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow):
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 
 
-def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple[jax.Array, jax.Array]:
-    """The cotangent of a write: what later layers' reads left in its slot (none when the
-    write did not happen)."""
-    value, inv_rms = d_buffer.slot(slot)
+def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple:
+    """The cotangent of a write (value, inv_rms, logits or None): what later layers' reads
+    left in its slot (none when the write did not happen)."""
+    parts = d_buffer.slot(slot)
     if when is None:
-        return value, inv_rms
-    return jnp.where(when, value, 0), jnp.where(when, inv_rms, 0)
+        return parts
+    return tuple(None if part is None else jnp.where(when, part, 0) for part in parts)
 
 
-def run_lean(step, inputs, carry: Carry, rows: ScheduleRow):
+def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
-    weights, no cache): callers that need them use run_scan."""
+    weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
+    layer by layer (the same program without while loops, for XLA's cost analysis)."""
     indices = jnp.arange(rows.num_layers)
 
     def layer(inputs_l, c, index):
@@ -79,11 +81,12 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow):
     @jax.custom_vjp
     def lean(inputs, carry):
         return jax.lax.scan(lambda c, xs: (layer(xs[0], c, xs[1]), None), carry,
-                            (inputs, indices))[0]
+                            (inputs, indices), unroll=unroll)[0]
 
     def forward(inputs, carry):
         final, state_inputs = jax.lax.scan(
-            lambda c, xs: (layer(xs[0], c, xs[1]), c.state), carry, (inputs, indices))
+            lambda c, xs: (layer(xs[0], c, xs[1]), c.state), carry, (inputs, indices),
+            unroll=unroll)
         return final, (inputs, state_inputs, final)
 
     def backward(residuals, final_cotangent: Carry):
@@ -97,7 +100,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow):
                 # Over the final buffer: the slots layer `index` had not yet seen are masked in
                 # its sites, so reading them changes nothing and passes them no gradient.
                 out = step(p, Carry(state, buffer), row)
-                return ((out.state, [(w.value, w.inv_rms) for w in out.writes]),
+                return ((out.state, [(w.value, w.inv_rms, w.logits) for w in out.writes]),
                         [(w.slot, w.when) for w in out.writes])
 
             _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, final.buffer,
@@ -109,7 +112,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow):
 
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
         d_carry, d_inputs = jax.lax.scan(body, final_cotangent, (inputs, state_inputs, indices),
-                                         reverse=True)
+                                         reverse=True, unroll=unroll)
         return d_inputs, d_carry
 
     lean.defvjp(forward, backward)

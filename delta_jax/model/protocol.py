@@ -46,17 +46,27 @@ class Write:
 
     value [B,T,D], inv_rms [B,T] float32 (its rsqrt(mean(value^2) + eps), computed once);
     slot: the buffer slot (an int, static or traced); when: a traced bool for writes that only
-    happen at block boundaries, None for writes that always happen.
+    happen at block boundaries, None for writes that always happen; logits [G,B,T] float32 or
+    None: the source's routing logit at each of the G sites (routing_logits="write", below).
     """
     value: jax.Array
     inv_rms: jax.Array
     slot: Any
     when: Any = None
+    logits: jax.Array | None = None
 
     @classmethod
-    def of(cls, value: jax.Array, slot, eps: float, *, when=None, dtype=None) -> Write:
+    def of(cls, value: jax.Array, slot, eps: float, *, when=None, dtype=None,
+           site_queries: jax.Array | None = None) -> Write:
+        """With `site_queries` [G,D] (each site's w*g) the logits at every site come along:
+        inv_rms * (wg . value), the same products a site reading the buffer would form."""
         value = value.astype(dtype or value.dtype)
-        return cls(value, inverse_rms(value, eps), slot, when)
+        inv_rms = inverse_rms(value, eps)
+        logits = None
+        if site_queries is not None:
+            logits = inv_rms * jnp.einsum("btd,gd->gbt", value, site_queries.astype(value.dtype),
+                                          preferred_element_type=jnp.float32)
+        return cls(value, inv_rms, slot, when, logits)
 
 
 @struct.dataclass
@@ -65,34 +75,58 @@ class SourceBuffer:
 
     Every slot is written once, in order, into a buffer that starts as zeros, so an unwritten
     slot holds zeros (the lean backward pass relies on it, drivers.py).
+
+    With routing_logits="write" the buffer also holds every site's w*g, `site_queries` [G,D]
+    float32 (G sites in call order: layer l's attention site is 2l, its MLP site 2l+1, the final
+    site 2L), and each committed source's logit at every site, `site_logits` [G,S,B,T] float32:
+    a site then reads its [S,B,T] row instead of the [S,B,T,D] values to form its logits.
     """
     values: jax.Array
     inv_rms: jax.Array
+    site_queries: jax.Array | None = None
+    site_logits: jax.Array | None = None
 
     @classmethod
-    def zeros(cls, num_slots: int, batch: int, length: int, hidden: int, dtype) -> SourceBuffer:
+    def zeros(cls, num_slots: int, batch: int, length: int, hidden: int, dtype,
+              site_queries: jax.Array | None = None) -> SourceBuffer:
         values = jnp.zeros((num_slots, batch, length, hidden), dtype)
+        site_logits = None
+        if site_queries is not None:
+            site_logits = constrain(
+                jnp.zeros((site_queries.shape[0], num_slots, batch, length), jnp.float32),
+                (None, "sources", "batch", "seq"))
         return cls(constrain(values, ("sources", "batch", "seq", "act_embed")),
-                   jnp.zeros((num_slots, batch, length), jnp.float32))
+                   jnp.zeros((num_slots, batch, length), jnp.float32), site_queries, site_logits)
 
-    def slot(self, index) -> tuple[jax.Array, jax.Array]:
-        """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T])."""
+    def slot(self, index) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T], logits [G,B,T] or
+        None)."""
+        logits = (None if self.site_logits is None else
+                  jax.lax.dynamic_index_in_dim(self.site_logits, index, axis=1, keepdims=False))
         return (jax.lax.dynamic_index_in_dim(self.values, index, keepdims=False),
-                jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False))
+                jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False), logits)
 
     def commit(self, writes: Sequence[Write]) -> SourceBuffer:
         """The buffer with `writes` applied in order (in place inside a scan)."""
-        values, inv_rms = self.values, self.inv_rms
+        values, inv_rms, site_logits = self.values, self.inv_rms, self.site_logits
         for write in writes:
-            value, rinv = write.value.astype(values.dtype), write.inv_rms
+            value, rinv, logits = write.value.astype(values.dtype), write.inv_rms, write.logits
+            if (site_logits is None) != (logits is None):
+                raise ValueError("SourceBuffer.commit: a write's logits must come exactly when "
+                                 "the buffer holds site logits (Write.of(site_queries=...))")
             if write.when is not None:  # a write that does not happen keeps the slot's zeros
-                value = jnp.where(write.when, value, jax.lax.dynamic_index_in_dim(
-                    values, write.slot, keepdims=False))
-                rinv = jnp.where(write.when, rinv, jax.lax.dynamic_index_in_dim(
-                    inv_rms, write.slot, keepdims=False))
+                old_value, old_rinv, old_logits = SourceBuffer(
+                    values, inv_rms, self.site_queries, site_logits).slot(write.slot)
+                value = jnp.where(write.when, value, old_value)
+                rinv = jnp.where(write.when, rinv, old_rinv)
+                if logits is not None:
+                    logits = jnp.where(write.when, logits, old_logits)
             values = jax.lax.dynamic_update_index_in_dim(values, value, write.slot, 0)
             inv_rms = jax.lax.dynamic_update_index_in_dim(inv_rms, rinv, write.slot, 0)
-        return SourceBuffer(values, inv_rms)
+            if logits is not None:
+                site_logits = jax.lax.dynamic_update_index_in_dim(site_logits, logits,
+                                                                  write.slot, 1)
+        return SourceBuffer(values, inv_rms, self.site_queries, site_logits)
 
 
 @struct.dataclass
@@ -107,17 +141,19 @@ class ScheduleRow:
     """A layer's entries of the static schedule (schedule.py): [L] numpy columns for the whole
     stack, or one layer's scalars (traced inside a scan).
 
+    layer:        the layer's index (its sites are 2*layer and 2*layer + 1);
     first_write:  the first slot the layer writes (slots from it on are zero on entry);
     attn_visible: buffer slots its attention site sees (its MLP site sees first_write);
     boundary:     whether the layer starts a block.
     """
+    layer: Any
     first_write: Any
     attn_visible: Any
     boundary: Any
 
     @property
     def num_layers(self) -> int:
-        return len(self.first_write)
+        return len(self.layer)
 
     def at(self, index) -> ScheduleRow:
         """Layer `index`'s row: static (numpy scalars) for an int, traced for a traced index."""

@@ -8,6 +8,10 @@ materialised. A site can also see a per-site learned null source [D] (prepended,
 and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
 replacement modes, appended). Padded weight layout of a site: [null?] + S slots + [live?].
 
+`routing_logits="write"` moves the logits of the buffer's sources to the moment each is written
+(protocol.py: the buffer then also holds every source's logit at every site): a site reads
+its own [S,B,T] row of those and the values once, for the weighted sum, instead of twice.
+
 `routing_kernel="pallas"` reads the buffer in one pass of a Pallas kernel (kernels/routing.py),
 which returns the slots' logits and their own softmax mix; the site then treats that mix as one
 source weighted by the buffer slots' total weight. The same function, another summation order.
@@ -43,21 +47,28 @@ class RoutingSite(nnx.Module):
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
                      if cfg.routing_gate and gated else None)
 
-    def __call__(self, sources: SourceBuffer, num_valid, *, fresh: Write | None = None,
+    def __call__(self, sources: SourceBuffer, num_valid, *, site=None, fresh: Write | None = None,
                  live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Route over buffer slots [0, num_valid), a source `fresh`ly written by this layer
         (slot num_valid, not yet in the read-only buffer), and the null and live sources.
 
-        num_valid int (static or traced), live [B,T,D] or None -> mix [B,T,D] in the buffer's
-        dtype, weights [N_pad,B,T] float32 in the padded layout (zero on unused slots; all zero,
-        and mix zero, with no source).
+        num_valid int (static or traced); site: this site's index in the call order (static or
+        traced), which picks its row of precomputed logits when the buffer holds them;
+        live [B,T,D] or None -> mix [B,T,D] in the buffer's dtype, weights [N_pad,B,T] float32
+        in the padded layout (zero on unused slots; all zero, and mix zero, with no source).
         Slots at or past num_valid may hold later sources (the lean backward pass reads the
         final buffer): they are masked out of the softmax and get no gradient.
         """
         buffer, inv_rms = sources.values, sources.inv_rms
         wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
-        if self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
+        precomputed, buffer_mix = sources.site_logits is not None, None
+        if precomputed:
+            if site is None:
+                raise ValueError("RoutingSite: the buffer holds precomputed logits, so the "
+                                 "site must say which row is its own (site=...)")
+            logits = [jax.lax.dynamic_index_in_dim(sources.site_logits, site, keepdims=False)]
+        elif self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
             buffer_logits, buffer_mix = route_buffer(buffer, inv_rms, wg, num_valid)
             logits = [buffer_logits]
         else:
@@ -69,23 +80,23 @@ class RoutingSite(nnx.Module):
             null_logit = jnp.dot(null, wg) * jax.lax.rsqrt(jnp.mean(null * null) + self.eps)
             logits.insert(0, jnp.broadcast_to(null_logit, (1, *batch_shape)))
             valid.insert(0, jnp.ones((1,), bool))
-        # The sources outside the buffer, in padded order: (value [B,T,D], inv_rms [B,T], present)
+        # The sources outside the buffer, in padded order: (value [B,T,D], logit [B,T], present)
         outside = []
-        if fresh is not None:
-            outside.append((fresh.value, fresh.inv_rms,
-                            True if fresh.when is None else fresh.when))
+        if fresh is not None:  # with precomputed logits, its own came with the write
+            logit = (jax.lax.dynamic_index_in_dim(fresh.logits, site, keepdims=False)
+                     if precomputed else self._logit(fresh.value, fresh.inv_rms, wg))
+            outside.append((fresh.value, logit, True if fresh.when is None else fresh.when))
         if live is not None:
-            outside.append((live, inverse_rms(live, self.eps), True))
-        for value, rinv, present in outside:
-            logits.append((rinv * jnp.einsum("btd,d->bt", value, wg.astype(value.dtype),
-                                             preferred_element_type=jnp.float32))[None])
+            outside.append((live, self._logit(live, inverse_rms(live, self.eps), wg), True))
+        for _, logit, present in outside:
+            logits.append(logit[None])
             valid.append(jnp.full((1,), present, bool))
         weights = masked_softmax(jnp.concatenate(logits), jnp.concatenate(valid))
 
         null_weight, weights = ((weights[0], weights[1:]) if self.null is not None
                                 else (None, weights))
         slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
-        if self.kernel == "pallas":  # sum_n alpha_n s_n = (sum_n alpha_n) * softmax-mix of slots
+        if buffer_mix is not None:  # sum_n alpha_n s_n = (sum_n alpha_n) * softmax-mix of slots
             mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
         else:
             mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
@@ -103,6 +114,12 @@ class RoutingSite(nnx.Module):
         if live is not None:
             padded.append(outside_weights[-1:])
         return mix.astype(buffer.dtype), jnp.concatenate(padded)
+
+    @staticmethod
+    def _logit(value: jax.Array, inv_rms: jax.Array, wg: jax.Array) -> jax.Array:
+        """One source's logit r * ((w*g) . s): value [B,T,D], inv_rms [B,T] -> [B,T] float32."""
+        return inv_rms * jnp.einsum("btd,d->bt", value, wg.astype(value.dtype),
+                                    preferred_element_type=jnp.float32)
 
     def gated(self, base: jax.Array, routed: jax.Array) -> jax.Array:
         """The sublayer's input before its RMSNorm: routed, or (1-a)*base + a*routed."""

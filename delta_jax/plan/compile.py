@@ -11,9 +11,10 @@ memory_analysis() and cost_analysis() describe that program.
 XLA's cost analysis counts the body of a while loop once, whatever its trip count (checked on
 v5e, v5p and v6e with jax 0.10.2: a scan of 8 matmuls reports the FLOPs and nearly the time of
 one). The trainer's layers run in loops (the lean and scan drivers), so the cost numbers come
-from a twin: the same run with the `unrolled` layer driver, which computes the same function
-with every layer in the program; under the lean driver, whose backward recomputes each layer,
-the twin recomputes too (remat=full). The memory numbers are always the real program's.
+from a twin: the same run with `unroll_layers`, the same driver with its loops written out
+layer by layer (for the lean driver: the same custom backward pass, recomputing each layer
+over the final buffer and accumulating the buffer's cotangent in place). The memory numbers
+are always the real program's.
 """
 from __future__ import annotations
 
@@ -161,9 +162,7 @@ def _oom_temp_bytes(message: str) -> int | None:
 
 def cost_twin(run: RunConfig) -> RunConfig:
     """The run whose compiled cost analysis counts every layer (see the module docstring)."""
-    model = run.model
-    remat = "full" if model.layer_driver == "lean" else model.remat
-    return dataclasses.replace(run, model=model.replace(layer_driver="unrolled", remat=remat))
+    return dataclasses.replace(run, model=run.model.replace(unroll_layers=True))
 
 
 def _cost(compiled, scale: int) -> dict[str, float | None]:
@@ -183,7 +182,7 @@ def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> S
     memory_plan = _compile(run, topology)
     if not estimate or memory_plan.oom is not None:
         return memory_plan
-    twin = run if run.model.layer_driver == "unrolled" else cost_twin(run)
+    twin = run if run.model.layer_driver == "unrolled" else cost_twin(run)  # no loop to count
     start = time.perf_counter()
     _, compile_twin = _prepare(twin, topology)
     try:
