@@ -21,10 +21,10 @@ ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, routing_kernel, routing_logits, attention) only change how the same function
-# is computed; checkpoints may move between them.
+# unroll_layers, buffer_segments, routing_kernel, routing_logits, attention) only change how the
+# same function is computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "routing_kernel", "routing_logits", "attention")
+                  "buffer_segments", "routing_kernel", "routing_logits", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,10 @@ class ModelConfig:
     # while loops, whose cost analysis then counts every layer (the planner's cost twin,
     # delta_jax/plan/compile.py). Compiles in time linear in the depth.
     unroll_layers: bool = False
+    # The lean driver runs the layers as this many consecutive loops, each over only the buffer
+    # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
+    # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
+    buffer_segments: int = 1
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
     routing_kernel: str = "xla"
@@ -93,8 +97,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is invalid: expected a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
-        if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
-            fail("num_blocks", "an integer >= 1")
+        for field in ("num_blocks", "buffer_segments"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(field, "an integer >= 1")
         for field, allowed in (("residual", RESIDUALS), ("block_sources", BLOCK_SOURCES),
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),

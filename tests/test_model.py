@@ -11,6 +11,8 @@ import pytest
 from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
+from delta_jax.model.drivers import buffer_spans
+from delta_jax.model.schedule import schedule
 from reference_forward import reference_forward
 
 VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
@@ -157,8 +159,10 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
     cfg = ModelConfig.tiny(residual=residual, num_layers=3, num_blocks=2, **extra)
     want_loss, want = _loss_and_grads(cfg, "unrolled", gate)
     want_flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])
-    for driver in ("scan", "lean"):
-        loss, grads = _loss_and_grads(cfg, driver, gate)
+    runs = [("scan", cfg), ("lean", cfg), *[("lean", cfg.replace(buffer_segments=segments))
+                                            for segments in (2, 3)]]
+    for driver, run_cfg in runs:
+        loss, grads = _loss_and_grads(run_cfg, driver, gate)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
         flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
         assert _relative_error(want_flat, flat) < 1e-5, driver
@@ -171,6 +175,23 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
                 close = (_relative_error(g_want, g) < 1e-4
                          or float(jnp.abs(g - g_want).max()) < 1e-6 * scale)
                 assert close, (driver, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("residual", VARIANTS[1:])
+@pytest.mark.parametrize("segments", [1, 2, 3, 5, 9])
+def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, segments):
+    cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2)
+    plan = schedule(cfg)
+    rows = plan.rows()
+    spans = buffer_spans(rows, plan.num_slots, segments)
+    assert len(spans) == min(segments, 5)
+    assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]]
+    assert spans[-1][1:] == (5, plan.num_slots)
+    for start, end, length in spans:
+        assert length <= plan.num_slots
+        for layer in range(start, end):  # reads and writes stay inside the prefix
+            assert plan.mlp_visible[layer] <= length and plan.attn_visible[layer] <= length
+            assert plan.first_write[layer] <= length
 
 
 def _with_params_of(target: CausalLM, source: CausalLM) -> CausalLM:
@@ -250,6 +271,7 @@ def test_preset_parameter_counts(name, expected, tolerance):
 @pytest.mark.parametrize("changes,message", [
     (dict(num_heads=6, num_kv_heads=4), r"num_heads=6 .*multiple of num_kv_heads=4"),
     (dict(num_blocks=0), r"num_blocks=0 .*integer >= 1"),
+    (dict(buffer_segments=0), r"buffer_segments=0 .*integer >= 1"),
     (dict(residual="resnet"), r"residual='resnet' .*baseline, block, full, delta, delta_block"),
     (dict(block_sources="both"), r"block_sources='both' .*reference, paper"),
     (dict(router_init="xavier"), r"router_init='xavier' .*normal, zeros"),

@@ -6,7 +6,8 @@
   rebuilds layer i's input buffer from the final one (every slot is written once, from zero, so
   the input is the final buffer masked to the slots written before layer i) and recomputes the
   layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer
-  memory, at the cost of one extra forward (the same as full remat).
+  memory, at the cost of one extra forward (the same as full remat). With `segments` > 1 it
+  runs the layers as consecutive loops over growing buffer prefixes (buffer_spans).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
@@ -42,7 +43,9 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
     return Carry(out.state, carry.buffer.commit(out.writes)), (out.weights, out.cache)
 
 
-def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False):
+def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
+             segments: int = 1):
+    del segments  # one loop: its per-layer routing weights are padded to the whole buffer
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -50,8 +53,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     return jax.lax.scan(body, carry, (inputs, jnp.arange(rows.num_layers)), unroll=unroll)
 
 
-def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True):
-    del unroll  # always unrolled
+def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
+                 segments: int = 1):
+    del unroll, segments  # always unrolled, always over the whole buffer (the reference path)
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -69,51 +73,92 @@ def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple:
     return tuple(None if part is None else jnp.where(when, part, 0) for part in parts)
 
 
-def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False):
+def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple[int, int, int]]:
+    """Split the layers into `segments` runs of consecutive layers, each with the buffer prefix
+    its layers touch: [(first layer, end layer, prefix length)]. A layer reads and writes only
+    the slots written before the next layer, so the run ending at layer b needs
+    rows.first_write[b] slots (all S for the last run)."""
+    num_layers = rows.num_layers
+    count = max(1, min(segments, num_layers)) if num_slots else 1
+    edges = [round(k * num_layers / count) for k in range(count + 1)]
+    return [(a, b, num_slots if b == num_layers else int(rows.first_write[b]))
+            for a, b in zip(edges, edges[1:])]
+
+
+def _layer_range(stacked, start: int, end: int):
+    return jax.tree.map(lambda x: x[start:end], stacked)
+
+
+def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
+             segments: int = 1):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
-    layer by layer (the same program without while loops, for XLA's cost analysis)."""
-    indices = jnp.arange(rows.num_layers)
+    layer by layer (the same program without while loops, for XLA's cost analysis).
+
+    `segments` > 1 runs the layers as that many consecutive loops, each over only the buffer
+    prefix its layers touch (buffer_spans): a site then reads about (segments + 1) /
+    (2 * segments) of the slots instead of all S, forward and backward, for one copy of the
+    prefix between loops and one loop body to compile per segment."""
+    spans = buffer_spans(rows, carry.buffer.num_slots, segments)
 
     def layer(inputs_l, c, index):
         return _advance(step, inputs_l, c, rows.at(index))[0]
 
+    def run_forward(inputs, carry: Carry, keep_states: bool):
+        state_inputs = []
+        for start, end, length in spans:
+            part, states = jax.lax.scan(
+                lambda c, xs: (layer(xs[0], c, xs[1]), c.state if keep_states else None),
+                Carry(carry.state, carry.buffer.prefix(length)),
+                (_layer_range(inputs, start, end), jnp.arange(start, end)), unroll=unroll)
+            carry = Carry(part.state, carry.buffer.with_prefix(part.buffer))
+            state_inputs.append(states)
+        return carry, state_inputs
+
     @jax.custom_vjp
     def lean(inputs, carry):
-        return jax.lax.scan(lambda c, xs: (layer(xs[0], c, xs[1]), None), carry,
-                            (inputs, indices), unroll=unroll)[0]
+        return run_forward(inputs, carry, keep_states=False)[0]
 
     def forward(inputs, carry):
-        final, state_inputs = jax.lax.scan(
-            lambda c, xs: (layer(xs[0], c, xs[1]), c.state), carry, (inputs, indices),
-            unroll=unroll)
+        final, state_inputs = run_forward(inputs, carry, keep_states=True)
         return final, (inputs, state_inputs, final)
 
     def backward(residuals, final_cotangent: Carry):
         inputs, state_inputs, final = residuals
 
-        def body(cotangent: Carry, xs):
-            inputs_l, state_in, index = xs
-            row = rows.at(index)
+        def segment_body(final_buffer: SourceBuffer):
+            def body(cotangent: Carry, xs):
+                inputs_l, state_in, index = xs
+                row = rows.at(index)
 
-            def layer_reads(p, state, buffer):
-                # Over the final buffer: the slots layer `index` had not yet seen are masked in
-                # its sites, so reading them changes nothing and passes them no gradient.
-                out = step(p, Carry(state, buffer), row)
-                return ((out.state, [(w.value, w.inv_rms, w.logits) for w in out.writes]),
-                        [(w.slot, w.when) for w in out.writes])
+                def layer_reads(p, state, buffer):
+                    # Over the final buffer: the slots layer `index` had not yet seen are masked
+                    # in its sites, so reading them changes nothing and passes them no gradient.
+                    out = step(p, Carry(state, buffer), row)
+                    return ((out.state, [(w.value, w.inv_rms, w.logits) for w in out.writes]),
+                            [(w.slot, w.when) for w in out.writes])
 
-            _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, final.buffer,
-                                      has_aux=True)
-            d_writes = [_written_cotangent(cotangent.buffer, slot, when)
-                        for slot, when in targets]
-            d_inputs, d_state, d_buffer = vjp((cotangent.state, d_writes))
-            return Carry(d_state, jax.tree.map(jnp.add, cotangent.buffer, d_buffer)), d_inputs
+                _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, final_buffer,
+                                          has_aux=True)
+                d_writes = [_written_cotangent(cotangent.buffer, slot, when)
+                            for slot, when in targets]
+                d_inputs, d_state, d_buffer = vjp((cotangent.state, d_writes))
+                return Carry(d_state, jax.tree.map(jnp.add, cotangent.buffer, d_buffer)), d_inputs
+            return body
 
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
-        d_carry, d_inputs = jax.lax.scan(body, final_cotangent, (inputs, state_inputs, indices),
-                                         reverse=True, unroll=unroll)
-        return d_inputs, d_carry
+        d_carry, d_inputs = final_cotangent, []
+        for (start, end, length), states in zip(reversed(spans), reversed(state_inputs)):
+            part, d_part = jax.lax.scan(
+                segment_body(final.buffer.prefix(length)),
+                Carry(d_carry.state, d_carry.buffer.prefix(length)),
+                (_layer_range(inputs, start, end), states, jnp.arange(start, end)),
+                reverse=True, unroll=unroll)
+            d_carry = Carry(part.state, d_carry.buffer.with_prefix(part.buffer))
+            d_inputs.insert(0, d_part)
+        if len(d_inputs) > 1:
+            d_inputs = [jax.tree.map(lambda *parts: jnp.concatenate(parts), *d_inputs)]
+        return d_inputs[0], d_carry
 
     lean.defvjp(forward, backward)
     return lean(inputs, carry), (None, None)

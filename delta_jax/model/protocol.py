@@ -98,6 +98,29 @@ class SourceBuffer:
         return cls(constrain(values, ("sources", "batch", "seq", "act_embed")),
                    jnp.zeros((num_slots, batch, length), jnp.float32), site_queries, site_logits)
 
+    @property
+    def num_slots(self) -> int:
+        return self.values.shape[0]
+
+    def prefix(self, length: int) -> SourceBuffer:
+        """Slots [0, length) (static), for layers that read and write no later slot."""
+        if length == self.num_slots:
+            return self
+        return SourceBuffer(self.values[:length], self.inv_rms[:length], self.site_queries,
+                            None if self.site_logits is None else self.site_logits[:, :length])
+
+    def with_prefix(self, prefix: SourceBuffer) -> SourceBuffer:
+        """This buffer with its first slots (and the site queries) replaced by `prefix`'s."""
+        if prefix.num_slots == self.num_slots:
+            return prefix
+        site_logits = (None if self.site_logits is None else
+                       jax.lax.dynamic_update_slice_in_dim(self.site_logits, prefix.site_logits,
+                                                           0, axis=1))
+        return SourceBuffer(jax.lax.dynamic_update_slice_in_dim(self.values, prefix.values, 0, 0),
+                            jax.lax.dynamic_update_slice_in_dim(self.inv_rms, prefix.inv_rms, 0,
+                                                                0),
+                            prefix.site_queries, site_logits)
+
     def slot(self, index) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T], logits [G,B,T] or
         None)."""
