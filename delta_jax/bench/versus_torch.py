@@ -8,6 +8,8 @@ The baseline Qwen3 of the config (float32) in both frameworks: transformers' Qwe
 weights. One row per piece of the step, median seconds of each side and their ratio:
 
 - one MLP-shaped matmul ([B*T, D] x [D, I], the step's most common GEMM), x 10;
+- one layer's causal attention, forward + backward (PyTorch's fused scaled_dot_product_attention
+  against XLA's, which materialises the [B,H,T,T] probabilities);
 - the forward pass (logits);
 - forward + backward (the loss's gradients): delta_jax under the lean driver, whose backward
   recomputes each layer, and under the scan driver, which keeps every layer's activations as
@@ -38,6 +40,7 @@ from flax import nnx
 from delta_jax.bench import bench_one
 from delta_jax.hf.keymap import config_to_hf
 from delta_jax.hf.state_dict import from_state_dict
+from delta_jax.model.attention_kernels import causal_attention
 from delta_jax.train.config import RunConfig, load_config
 
 
@@ -90,6 +93,35 @@ def measure(run: RunConfig, steps: int, warmup: int) -> list[dict[str, Any]]:
         median_seconds(lambda: sum(torch.tanh((a_t + i) @ b_t)[0, 0] for i in range(10)),
                        steps, warmup),
         median_seconds(lambda: matmuls(a_j, b_j).block_until_ready(), steps, warmup))
+
+    # One layer's causal attention, forward + backward: PyTorch's fused SDPA kernel (what
+    # transformers' Qwen3 calls) against XLA's dot_product_attention, which materialises the
+    # [B,H,T,T] logits and probabilities.
+    heads, groups = cfg.num_heads, cfg.num_heads // cfg.num_kv_heads
+    scale = cfg.head_dim ** -0.5
+    qkv_np = [np.random.default_rng(3 + i).standard_normal(
+        (batch, length, n, cfg.head_dim), np.float32) for i, n in
+        enumerate((heads, cfg.num_kv_heads, cfg.num_kv_heads, heads))]
+    q_t, k_t, v_t = (torch.from_numpy(x).transpose(1, 2).requires_grad_() for x in qkv_np[:3])
+    cot_t = torch.from_numpy(qkv_np[3]).transpose(1, 2)
+
+    def torch_attention():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_t, k_t.repeat_interleave(groups, 1), v_t.repeat_interleave(groups, 1),
+            is_causal=True, scale=scale)
+        return torch.autograd.grad((out * cot_t).sum(), (q_t, k_t, v_t))
+
+    attention_grads = jax.jit(jax.grad(
+        lambda q, k, v, cot: jnp.sum(causal_attention(q, k, v, kind="xla", scale=scale) * cot),
+        argnums=(0, 1, 2)))
+    qkv_j = [jnp.asarray(x) for x in qkv_np]
+    grad_gap = max(float(np.max(np.abs(np.asarray(g_j) - g_t.transpose(1, 2).numpy())))
+                   for g_j, g_t in zip(attention_grads(*qkv_j), torch_attention()))
+    row(f"attention fwd+bwd, one layer (x{cfg.num_layers})",
+        median_seconds(torch_attention, steps, warmup),
+        median_seconds(lambda: jax.block_until_ready(attention_grads(*qkv_j)), steps, warmup),
+        f"torch SDPA vs XLA dot_product_attention; max |grad gap| {grad_gap:.1e}")
+    rows[-1]["max_grad_gap"] = grad_gap
 
     model_t = torch_model(run)
     state_dict = {k: v.detach().numpy() for k, v in model_t.state_dict().items()}
