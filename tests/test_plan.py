@@ -106,7 +106,8 @@ def test_cost_twin_counts_every_layer(driver):
     def flops(layers: int, twin: bool) -> float:
         run = load_config("configs/220m.yaml", [*TINY, f"model.num_layers={layers}",
                                                  "model.residual=delta",
-                                                 f"model.layer_driver={driver}"])
+                                                 f"model.layer_driver={driver}",
+                                                 "model.buffer_segments=1"])
         _, compile_fn = _prepare(cost_twin(run) if twin else run, resolve("cpu:1", 1))
         return compile_fn().cost_analysis()["flops"]
 
