@@ -69,14 +69,12 @@ class CausalLM(nnx.Module):
     def site_queries(self) -> jax.Array:
         """[G,D] float32: every routing site's w*g in call order (layer l's attention site at
         2l, its MLP site at 2l+1, the final site last), for logits computed at write time."""
-        def wg(site: RoutingSite) -> jax.Array:
-            return site.query[...].astype(jnp.float32) * site.norm[...].astype(jnp.float32)
-
         layers = self.layers
-        per_layer = jnp.stack([wg(layers.attn_site), wg(layers.mlp_site)], axis=1)  # [L,2,D]
+        per_layer = jnp.stack([layers.attn_site.query_direction(),
+                               layers.mlp_site.query_direction()], axis=1)  # [L,2,D]
         queries = per_layer.reshape(-1, per_layer.shape[-1])
         if self.final_site is not None:
-            queries = jnp.concatenate([queries, wg(self.final_site)[None]])
+            queries = jnp.concatenate([queries, self.final_site.query_direction()[None]])
         return queries
 
     def init_cache(self, batch: int, capacity: int, start: jax.Array | None = None) -> LayerCache:

@@ -60,7 +60,7 @@ class RoutingSite(nnx.Module):
         final buffer): they are masked out of the softmax and get no gradient.
         """
         buffer, inv_rms = sources.values, sources.inv_rms
-        wg = self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
+        wg = self.query_direction()
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
         precomputed, buffer_mix = sources.site_logits is not None, None
         if precomputed:
@@ -114,6 +114,11 @@ class RoutingSite(nnx.Module):
         if live is not None:
             padded.append(outside_weights[-1:])
         return mix.astype(buffer.dtype), jnp.concatenate(padded)
+
+    def query_direction(self) -> jax.Array:
+        """w*g [D] float32: the query folded into the sources' RMSNorm weight, so a source's
+        logit is inv_rms * (w*g . s)."""
+        return self.query[...].astype(jnp.float32) * self.norm[...].astype(jnp.float32)
 
     @staticmethod
     def _logit(value: jax.Array, inv_rms: jax.Array, wg: jax.Array) -> jax.Array:
