@@ -78,8 +78,9 @@ class SourceBuffer:
 
     With routing_logits="write" the buffer also holds every site's w*g, `site_queries` [G,D]
     float32 (G sites in call order: layer l's attention site is 2l, its MLP site 2l+1, the final
-    site 2L), and each committed source's logit at every site, `site_logits` [G,S,B,T] float32:
-    a site then reads its [S,B,T] row instead of the [S,B,T,D] values to form its logits.
+    site 2L), and each committed source's logit at every site, `site_logits` [S,G,B,T] float32
+    (slot-major like the values, so a prefix of slots is a leading slice): a site then reads its
+    [S,B,T] column instead of the [S,B,T,D] values to form its logits.
     """
     values: jax.Array
     inv_rms: jax.Array
@@ -93,8 +94,8 @@ class SourceBuffer:
         site_logits = None
         if site_queries is not None:
             site_logits = constrain(
-                jnp.zeros((site_queries.shape[0], num_slots, batch, length), jnp.float32),
-                (None, "sources", "batch", "seq"))
+                jnp.zeros((num_slots, site_queries.shape[0], batch, length), jnp.float32),
+                ("sources", None, "batch", "seq"))
         return cls(constrain(values, ("sources", "batch", "seq", "act_embed")),
                    jnp.zeros((num_slots, batch, length), jnp.float32), site_queries, site_logits)
 
@@ -107,7 +108,7 @@ class SourceBuffer:
         if length == self.num_slots:
             return self
         return SourceBuffer(self.values[:length], self.inv_rms[:length], self.site_queries,
-                            None if self.site_logits is None else self.site_logits[:, :length])
+                            None if self.site_logits is None else self.site_logits[:length])
 
     def with_prefix(self, prefix: SourceBuffer) -> SourceBuffer:
         """This buffer with its first slots (and the site queries) replaced by `prefix`'s."""
@@ -115,7 +116,7 @@ class SourceBuffer:
             return prefix
         site_logits = (None if self.site_logits is None else
                        jax.lax.dynamic_update_slice_in_dim(self.site_logits, prefix.site_logits,
-                                                           0, axis=1))
+                                                           0, axis=0))
         return SourceBuffer(jax.lax.dynamic_update_slice_in_dim(self.values, prefix.values, 0, 0),
                             jax.lax.dynamic_update_slice_in_dim(self.inv_rms, prefix.inv_rms, 0,
                                                                 0),
@@ -125,7 +126,7 @@ class SourceBuffer:
         """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T], logits [G,B,T] or
         None)."""
         logits = (None if self.site_logits is None else
-                  jax.lax.dynamic_index_in_dim(self.site_logits, index, axis=1, keepdims=False))
+                  jax.lax.dynamic_index_in_dim(self.site_logits, index, axis=0, keepdims=False))
         return (jax.lax.dynamic_index_in_dim(self.values, index, keepdims=False),
                 jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False), logits)
 
@@ -148,7 +149,7 @@ class SourceBuffer:
             inv_rms = jax.lax.dynamic_update_index_in_dim(inv_rms, rinv, write.slot, 0)
             if logits is not None:
                 site_logits = jax.lax.dynamic_update_index_in_dim(site_logits, logits,
-                                                                  write.slot, 1)
+                                                                  write.slot, 0)
         return SourceBuffer(values, inv_rms, self.site_queries, site_logits)
 
 

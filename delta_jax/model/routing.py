@@ -10,7 +10,7 @@ replacement modes, appended). Padded weight layout of a site: [null?] + S slots 
 
 `routing_logits="write"` moves the logits of the buffer's sources to the moment each is written
 (protocol.py: the buffer then also holds every source's logit at every site): a site reads
-its own [S,B,T] row of those and the values once, for the weighted sum, instead of twice.
+its own [S,B,T] column of those and the values once, for the weighted sum, instead of twice.
 
 `routing_kernel="pallas"` reads the buffer in one pass of a Pallas kernel (kernels/routing.py),
 which returns the slots' logits and their own softmax mix; the site then treats that mix as one
@@ -67,7 +67,8 @@ class RoutingSite(nnx.Module):
             if site is None:
                 raise ValueError("RoutingSite: the buffer holds precomputed logits, so the "
                                  "site must say which row is its own (site=...)")
-            logits = [jax.lax.dynamic_index_in_dim(sources.site_logits, site, keepdims=False)]
+            logits = [jax.lax.dynamic_index_in_dim(sources.site_logits, site, axis=1,
+                                                   keepdims=False)]
         elif self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
             buffer_logits, buffer_mix = route_buffer(buffer, inv_rms, wg, num_valid)
             logits = [buffer_logits]
