@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
-from delta_jax.model.drivers import buffer_spans
+from delta_jax.model.drivers import buffer_spans, with_remat
+from delta_jax.model.layers import rope_tables
+from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
 from delta_jax.model.schedule import schedule
 from reference_forward import reference_forward
 
@@ -175,6 +177,40 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
                 close = (_relative_error(g_want, g) < 1e-4
                          or float(jnp.abs(g - g_want).max()) < 1e-6 * scale)
                 assert close, (driver, jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("residual", ["delta", "full"])
+def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, capsys):
+    """Every remat policy gives the no-remat gradient (lean and scan drivers); save_dots keeps
+    each site's routed sublayer input, so the layer's backward does not read the buffer again
+    to rebuild it."""
+    cfg = ModelConfig.tiny(residual=residual, num_layers=3)
+    want_loss, want = _loss_and_grads(cfg, "scan")
+    want_flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])
+    for remat in ("full", "save_dots", "save_sublayer_outputs"):
+        for driver in ("lean", "scan"):
+            loss, grads = _loss_and_grads(cfg.replace(remat=remat), driver)
+            np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+            flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+            assert _relative_error(want_flat, flat) < 1e-5, (remat, driver)
+
+    model = init_model(cfg, 0)
+    graphdef, stacked = nnx.split(model.layers)
+    plan, (batch, length) = model.schedule, IDS.shape
+    rope = rope_tables(jnp.broadcast_to(jnp.arange(length), IDS.shape), cfg.head_dim,
+                       cfg.rope_theta)
+    buffer = SourceBuffer.zeros(plan.num_slots, batch, length, cfg.hidden_size, jnp.float32)
+
+    def layer_sum(params, h):
+        carry = Carry(TokenState(h, None), buffer)
+        out = nnx.merge(graphdef, params)(carry, plan.rows().at(1), LayerContext(rope))
+        return out.state.h.sum()
+
+    second_layer = jax.tree.map(lambda x: x[1], stacked)
+    h = jnp.ones((batch, length, cfg.hidden_size))
+    jax.ad_checkpoint.print_saved_residuals(with_remat(layer_sum, "save_dots"), second_layer, h)
+    saved = capsys.readouterr().out
+    assert saved.count("named 'routed_input'") == 2, saved  # the attention and MLP sites'
 
 
 @pytest.mark.parametrize("residual", VARIANTS[1:])

@@ -66,7 +66,7 @@ def additive_input(site: RoutingSite, buffer: SourceBuffer, visible, h: jax.Arra
     """Delta modes' sublayer input h + mix (gated against h); h itself with no source.
     `index` is the site's place in the call order. -> (input [B,T,D], weights [N_pad,B,T])."""
     mix, weights = site(buffer, visible, site=index, fresh=fresh)
-    return site.gated(h, h + mix), weights
+    return checkpoint_name(site.gated(h, h + mix), "routed_input"), weights
 
 
 def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: jax.Array,
@@ -76,7 +76,8 @@ def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: ja
     gated against the live state (the reference) or the residual stream (gate_base="stream").
     -> (input [B,T,D], weights [N_pad,B,T])."""
     mix, weights = site(buffer, visible, site=index, fresh=fresh, live=live)
-    return site.gated(live if stream is None else stream, mix), weights
+    return checkpoint_name(site.gated(live if stream is None else stream, mix),
+                           "routed_input"), weights
 
 
 def _writer(layer: DecoderLayer, buffer: SourceBuffer) -> Callable[..., Write]:

@@ -26,7 +26,11 @@ from delta_jax.model.protocol import Carry, LayerOutput, ScheduleRow, SourceBuff
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Matmul outputs, and each site's routed sublayer input: rebuilding it in the layer's
+    # backward would read the source buffer once more per site.
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("routed_input")),
     "save_sublayer_outputs": jax.checkpoint_policies.save_only_these_names("attn_out",
                                                                            "mlp_out"),
 }
