@@ -93,7 +93,8 @@ def profile(run, top: int) -> dict[str, Any]:
     grads = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
     for _ in range(2):
         jax.block_until_ready(grads(params))
-    kinds, sources = op_kinds(grads.as_text()), op_sources(grads.as_text())
+    hlo_text = grads.as_text()
+    kinds, sources = op_kinds(hlo_text), op_sources(hlo_text)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             start = time.perf_counter()

@@ -66,7 +66,7 @@ class RoutingSite(nnx.Module):
         if precomputed:
             if site is None:
                 raise ValueError("RoutingSite: the buffer holds precomputed logits, so the "
-                                 "site must say which row is its own (site=...)")
+                                 "site must say which column is its own (site=...)")
             logits = [jax.lax.dynamic_index_in_dim(sources.site_logits, site, axis=1,
                                                    keepdims=False)]
         elif self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
