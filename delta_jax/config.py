@@ -21,10 +21,12 @@ ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, routing_kernel, routing_logits, attention) only change how the
+# unroll_layers, buffer_segments, peel_block_starts, routing_kernel, routing_logits, attention)
+# only change how the
 # same function is computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "routing_kernel", "routing_logits", "attention")
+                  "buffer_segments", "peel_block_starts", "routing_kernel", "routing_logits",
+                  "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,11 @@ class ModelConfig:
     # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
     # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
     buffer_segments: int = 1
+    # The lean backward pass runs each block's first layer outside the loop over the block's
+    # other layers, which then know statically that they write no source (block variants; the
+    # model's drivers.py block_runs). v5p estimate at 1044M, delta_block: 1.1527 -> 1.1320 s a
+    # step for 19.78 -> 20.38 GiB a chip (BENCHMARKS.md), so off unless HBM is to spare.
+    peel_block_starts: bool = False
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
     routing_kernel: str = "xla"
@@ -119,7 +126,8 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
-        for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers"):
+        for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers",
+                      "peel_block_starts"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         if not self.rms_norm_eps > 0:

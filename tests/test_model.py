@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
-from delta_jax.model.drivers import buffer_spans, with_remat
+from delta_jax.model.drivers import block_runs, buffer_spans, with_remat
 from delta_jax.model.layers import rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
 from delta_jax.model.schedule import schedule
@@ -228,6 +228,49 @@ def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, segme
         for layer in range(start, end):  # reads and writes stay inside the prefix
             assert plan.mlp_visible[layer] <= length and plan.attn_visible[layer] <= length
             assert plan.first_write[layer] <= length
+
+
+@pytest.mark.parametrize("residual", ["block", "delta_block"])
+def test_block_runs_let_layers_inside_a_block_skip_their_write(residual):
+    """With peel_block_starts the lean backward pass runs a block segment as its first layer
+    and the rest of the block: over each run the rows know statically whether the layer
+    writes, and a layer inside a block commits nothing (no masked write computed). It keeps
+    the unrolled gradient."""
+    cfg = tiny(residual=residual, num_layers=6, num_blocks=2)
+    rows = schedule(cfg).rows()
+    assert block_runs(rows, 0, 3) == [(0, 1), (1, 3)]
+    assert block_runs(rows, 1, 3) == [(1, 3)]  # inside one block already
+    assert block_runs(rows, 2, 5) == [(2, 5)]  # the boundary is not first: one traced run
+    assert block_runs(schedule(cfg.replace(residual="delta")).rows(), 0, 3) == [(0, 3)]
+    index = jnp.asarray(1)
+    assert rows.at(index, within=(1, 3)).starts_block is False
+    assert rows.at(index, within=(0, 1)).starts_block is True
+    assert rows.at(index, within=(0, 3)).starts_block is None
+    assert rows.at(index).starts_block is None and rows.at(3).starts_block is True
+
+    model = init_model(cfg, 0)
+    graphdef, stacked = nnx.split(model.layers)
+    batch, length = IDS.shape
+    rope = rope_tables(jnp.broadcast_to(jnp.arange(length), IDS.shape), cfg.head_dim,
+                       cfg.rope_theta)
+    buffer = SourceBuffer.zeros(schedule(cfg).num_slots, batch, length, cfg.hidden_size,
+                                jnp.float32)
+    h = jnp.ones((batch, length, cfg.hidden_size))
+    layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[1], stacked))
+    out = layer(Carry(TokenState(h, None), buffer), rows.at(jnp.asarray(1), within=(1, 3)),
+                LayerContext(rope))
+    assert out.writes == ()
+    traced = layer(Carry(TokenState(h, None), buffer), rows.at(jnp.asarray(1)),
+                   LayerContext(rope))
+    assert len(traced.writes) == 1 and traced.writes[0].when is not None
+    np.testing.assert_array_equal(out.state.h, traced.state.h)
+
+    want_loss, want = _loss_and_grads(cfg, "unrolled")
+    peeled = cfg.replace(buffer_segments=2, peel_block_starts=True)
+    loss, grads = _loss_and_grads(peeled, "lean")
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    flat = lambda tree: jnp.concatenate([g.ravel() for g in jax.tree.leaves(tree)])
+    assert _relative_error(flat(want), flat(grads)) < 1e-5
 
 
 def _with_params_of(target: CausalLM, source: CausalLM) -> CausalLM:

@@ -135,7 +135,7 @@ class CausalLM(nnx.Module):
 
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
-            unroll=cfg.unroll_layers, segments=cfg.buffer_segments)
+            unroll=cfg.unroll_layers, segments=cfg.buffer_segments, peel=cfg.peel_block_starts)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)

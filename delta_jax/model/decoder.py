@@ -112,15 +112,18 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     h, stream, slot = carry.state.h, carry.state.stream, row.first_write
     x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream,
                                   2 * row.layer)
-    committed = write(h, slot, when=None if full else row.boundary)
+    committed = write(h, slot) if full else _block_write(write, h, slot, row)
     a, cache = layer.attention(x, ctx)
-    live = a if full else jnp.where(row.boundary, jnp.zeros_like(h), h) + a
+    if full or row.starts_block is None:
+        live = a if full else jnp.where(row.boundary, jnp.zeros_like(h), h) + a
+    else:
+        live = a if row.starts_block else h + a
     stream = None if stream is None else stream + a
     x, w_mlp = replacement_input(layer.mlp_site, carry.buffer, slot, live, stream,
                                  2 * row.layer + 1, fresh=committed)
     m = layer.feed_forward(x)
     state = TokenState(m if full else live + m, None if stream is None else stream + m)
-    writes = (committed, write(a, slot + 1)) if full else (committed,)
+    writes = (committed, write(a, slot + 1)) if full else _written(committed)
     return LayerOutput(state, writes, (w_attn, w_mlp), cache)
 
 
@@ -150,20 +153,36 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     h, slot, buffer = carry.state.h, row.first_write, carry.buffer
     x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h, 2 * row.layer)
     a, cache = layer.attention(x, ctx)
-    # Unwritten slots are zero in the forward pass, so both rules give h itself for the first
-    # block; the masks keep them right over the final buffer in the lean backward pass.
-    if layer.cfg.block_sources == "reference":
-        previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
-            buffer.values, jnp.maximum(slot - 1, 0), keepdims=False), 0)
-    else:
-        before = jnp.arange(buffer.values.shape[0]) < slot
-        previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
-    committed = write(h - previous.astype(h.dtype), slot, when=row.boundary)
+    committed = None
+    if row.starts_block is not False:
+        # Unwritten slots are zero in the forward pass, so both rules give h itself for the
+        # first block; the masks keep them right over the final buffer in the lean backward.
+        if layer.cfg.block_sources == "reference":
+            previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
+                buffer.values, jnp.maximum(slot - 1, 0), keepdims=False), 0)
+        else:
+            before = jnp.arange(buffer.values.shape[0]) < slot
+            previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
+        committed = _block_write(write, h - previous.astype(h.dtype), slot, row)
     h = h + a
     x, w_mlp = additive_input(layer.mlp_site, buffer, slot, h, 2 * row.layer + 1,
                               fresh=committed)
-    return LayerOutput(TokenState(h + layer.feed_forward(x)), (committed,), (w_attn, w_mlp),
-                       cache)
+    return LayerOutput(TokenState(h + layer.feed_forward(x)), _written(committed),
+                       (w_attn, w_mlp), cache)
+
+
+def _block_write(write: Callable[..., Write], value: jax.Array, slot, row: ScheduleRow
+                 ) -> Write | None:
+    """A block variant's write of `value`, which happens only where the layer starts a block:
+    None where the row knows statically that it does not, unconditional where it knows that
+    it does, masked by the traced `row.boundary` otherwise."""
+    if row.starts_block is False:
+        return None
+    return write(value, slot, when=None if row.starts_block else row.boundary)
+
+
+def _written(write: Write | None) -> tuple[Write, ...]:
+    return () if write is None else (write,)
 
 
 VARIANT_LAYERS: dict[str, Callable[..., LayerOutput]] = {

@@ -7,7 +7,9 @@
   the input is the final buffer masked to the slots written before layer i) and recomputes the
   layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer
   memory, at the cost of one extra forward (the same as full remat). With `segments` > 1 it
-  runs the layers as consecutive loops over growing buffer prefixes (buffer_spans).
+  runs the layers as consecutive loops over growing buffer prefixes (buffer_spans). With `peel`
+  its backward pass takes a block's first layer out of the loop over the block (block_runs), so
+  the block's other layers know statically that they write nothing.
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from delta_jax.model.protocol import Carry, LayerOutput, ScheduleRow, SourceBuffer
 
@@ -48,8 +51,8 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
 
 
 def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1):
-    del segments  # one loop: its per-layer routing weights are padded to the whole buffer
+             segments: int = 1, peel: bool = False):
+    del segments, peel  # one loop: its per-layer routing weights are padded to the whole buffer
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -58,8 +61,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
 
 
 def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
-                 segments: int = 1):
-    del unroll, segments  # always unrolled, always over the whole buffer (the reference path)
+                 segments: int = 1, peel: bool = False):
+    # Always unrolled, always over the whole buffer (the reference path); its rows are static.
+    del unroll, segments, peel
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -89,12 +93,37 @@ def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple
             for a, b in zip(edges, edges[1:])]
 
 
+def block_runs(rows: ScheduleRow, start: int, end: int) -> list[tuple[int, int]]:
+    """Layers [start, end) as one run, or as two where that makes `boundary` constant over
+    each: a first layer that starts a block, then the block's others (a block variant's
+    segment, buffer_spans, usually begins at its block's first layer). Over a run with a
+    constant boundary the layers know statically whether they write (ScheduleRow.starts_block),
+    so a layer inside a block computes no write at all."""
+    boundary = np.asarray(rows.boundary)[start:end]
+    if len(boundary) > 1 and boundary[0] != boundary[1] and len(np.unique(boundary[1:])) == 1:
+        return [(start, start + 1), (start + 1, end)]
+    return [(start, end)]
+
+
 def _layer_range(stacked, start: int, end: int):
     return jax.tree.map(lambda x: x[start:end], stacked)
 
 
+def _over_layers(body, carry, xs, start: int, end: int, *, reverse: bool = False,
+                 unroll: bool = False):
+    """jax.lax.scan of `body(carry, (xs_l, index)) -> (carry, out)` over layers [start, end),
+    `xs` holding those layers on its leading axis. A single layer is a plain call with its
+    index static (its schedule row then fully static): no loop whose carry XLA would copy in
+    and out. Its output still gets the leading layer axis."""
+    if end - start == 1:
+        carry, out = body(carry, (jax.tree.map(lambda x: x[0], xs), start))
+        return carry, jax.tree.map(lambda x: x[None], out)
+    return jax.lax.scan(body, carry, (xs, jnp.arange(start, end)), reverse=reverse,
+                        unroll=unroll)
+
+
 def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1):
+             segments: int = 1, peel: bool = False):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
     layer by layer (the same program without while loops, for XLA's cost analysis).
@@ -102,19 +131,23 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     `segments` > 1 runs the layers as that many consecutive loops, each over only the buffer
     prefix its layers touch (buffer_spans): a site then reads about (segments + 1) /
     (2 * segments) of the slots instead of all S, forward and backward, for one copy of the
-    prefix between loops and one loop body to compile per segment."""
+    prefix between loops and one loop body to compile per segment.
+
+    `peel` runs the backward pass of a segment that starts a block as its first layer, then a
+    loop over the block's others (block_runs)."""
     spans = buffer_spans(rows, carry.buffer.num_slots, segments)
 
-    def layer(inputs_l, c, index):
-        return _advance(step, inputs_l, c, rows.at(index))[0]
+    def layer(inputs_l, c, index, within):
+        return _advance(step, inputs_l, c, rows.at(index, within=within))[0]
 
     def run_forward(inputs, carry: Carry, keep_states: bool):
         state_inputs = []
         for start, end, length in spans:
-            part, states = jax.lax.scan(
-                lambda c, xs: (layer(xs[0], c, xs[1]), c.state if keep_states else None),
-                Carry(carry.state, carry.buffer.prefix(length)),
-                (_layer_range(inputs, start, end), jnp.arange(start, end)), unroll=unroll)
+            part, states = _over_layers(
+                lambda c, xs, within=(start, end): (
+                    layer(xs[0], c, xs[1], within), c.state if keep_states else None),
+                Carry(carry.state, carry.buffer.prefix(length)), _layer_range(inputs, start, end),
+                start, end, unroll=unroll)
             carry = Carry(part.state, carry.buffer.with_prefix(part.buffer))
             state_inputs.append(states)
         return carry, state_inputs
@@ -130,10 +163,19 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     def backward(residuals, final_cotangent: Carry):
         inputs, state_inputs, final = residuals
 
-        def segment_body(final_buffer: SourceBuffer):
+        def run_body(final_buffer: SourceBuffer, within: tuple[int, int]):
             def body(cotangent: Carry, xs):
-                inputs_l, state_in, index = xs
-                row = rows.at(index)
+                (inputs_l, state_in), index = xs
+                row = rows.at(index, within=within)
+                if within[1] - within[0] == 1:
+                    # Outside a loop nothing orders the layer's recompute after the cotangent
+                    # that reaches it: XLA would start it early and hold its saved activations
+                    # through the backward pass (both passes peeled, 1044M on v5p: 21.30
+                    # against 20.49 GiB a device).
+                    cotangent, inputs_l, state_in, buffer = jax.lax.optimization_barrier(
+                        (cotangent, inputs_l, state_in, final_buffer))
+                else:
+                    buffer = final_buffer
 
                 def layer_reads(p, state, buffer):
                     # Over the final buffer: the slots layer `index` had not yet seen are masked
@@ -142,7 +184,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                     return ((out.state, [(w.value, w.inv_rms, w.logits) for w in out.writes]),
                             [(w.slot, w.when) for w in out.writes])
 
-                _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, final_buffer,
+                _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, buffer,
                                           has_aux=True)
                 d_writes = [_written_cotangent(cotangent.buffer, slot, when)
                             for slot, when in targets]
@@ -150,16 +192,26 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                 return Carry(d_state, jax.tree.map(jnp.add, cotangent.buffer, d_buffer)), d_inputs
             return body
 
+        # With `peel`, a block variant's span runs as its first layer, then the rest of the
+        # block (block_runs): the rest then knows statically that it writes nothing, and
+        # recomputes no write. (The forward pass keeps one loop a span: split there too, XLA's
+        # program held more memory, 20.49 against 20.38 GiB a device at 1044M.)
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
         d_carry, d_inputs = final_cotangent, []
-        for (start, end, length), states in zip(reversed(spans), reversed(state_inputs)):
-            part, d_part = jax.lax.scan(
-                segment_body(final.buffer.prefix(length)),
-                Carry(d_carry.state, d_carry.buffer.prefix(length)),
-                (_layer_range(inputs, start, end), states, jnp.arange(start, end)),
-                reverse=True, unroll=unroll)
+        for (span_start, span_end, length), states in zip(reversed(spans),
+                                                          reversed(state_inputs)):
+            part, final_prefix = (Carry(d_carry.state, d_carry.buffer.prefix(length)),
+                                  final.buffer.prefix(length))
+            span_runs = (block_runs(rows, span_start, span_end) if peel
+                         else [(span_start, span_end)])
+            for start, end in reversed(span_runs):
+                part, d_part = _over_layers(
+                    run_body(final_prefix, (start, end)), part,
+                    (_layer_range(inputs, start, end),
+                     _layer_range(states, start - span_start, end - span_start)), start, end,
+                    reverse=True, unroll=unroll)
+                d_inputs.insert(0, d_part)
             d_carry = Carry(part.state, d_carry.buffer.with_prefix(part.buffer))
-            d_inputs.insert(0, d_part)
         if len(d_inputs) > 1:
             d_inputs = [jax.tree.map(lambda *parts: jnp.concatenate(parts), *d_inputs)]
         return d_inputs[0], d_carry

@@ -168,22 +168,35 @@ class ScheduleRow:
     layer:        the layer's index (its sites are 2*layer and 2*layer + 1);
     first_write:  the first slot the layer writes (slots from it on are zero on entry);
     attn_visible: buffer slots its attention site sees (its MLP site sees first_write);
-    boundary:     whether the layer starts a block.
+    boundary:     whether the layer starts a block;
+    starts_block: static (not a pytree leaf, so it stays a Python value under jit, scan and
+                  remat): True or False when `boundary` is known to be that for every layer
+                  the row stands for, None when only the traced `boundary` says. A block
+                  variant's layer that knows it starts no block then writes nothing at all
+                  instead of computing a write and masking it out.
     """
     layer: Any
     first_write: Any
     attn_visible: Any
     boundary: Any
+    starts_block: bool | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer)
 
-    def at(self, index) -> ScheduleRow:
-        """Layer `index`'s row: static (numpy scalars) for an int, traced for a traced index."""
+    def at(self, index, *, within: tuple[int, int] | None = None) -> ScheduleRow:
+        """Layer `index`'s row: static (numpy scalars) for an int, traced for a traced index.
+        `within` (start, end): the layers a traced index ranges over; where they all start a
+        block or none does, `starts_block` says so."""
         if isinstance(index, (int, np.integer)):
-            return jax.tree.map(lambda column: column[index], self)
-        return jax.tree.map(lambda column: jnp.asarray(column)[index], self)
+            row = jax.tree.map(lambda column: column[index], self)
+            return row.replace(starts_block=bool(row.boundary))
+        row = jax.tree.map(lambda column: jnp.asarray(column)[index], self)
+        if within is not None:
+            starts = np.unique(np.asarray(self.boundary)[within[0]:within[1]])
+            row = row.replace(starts_block=bool(starts[0]) if len(starts) == 1 else None)
+        return row
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ class Schedule:
     first_write: np.ndarray  # [L] first slot layer l may write (slots >= it are zero on entry)
     attn_visible: np.ndarray  # [L] buffer slots the attention site sees
     mlp_visible: np.ndarray  # [L] buffer slots the MLP site sees
-    boundary: np.ndarray  # [L] bool: layer l starts a block
+    boundary: np.ndarray  # [L] bool: layer l starts a block (all True without blocks)
     final_visible: int  # buffer slots the final site sees (block, full)
     embedding_in_slot0: bool  # delta: the embedding is source 0, written before the loop
     has_live: bool  # replacement modes route over the buffer plus the live partial state
@@ -47,7 +47,10 @@ def schedule(cfg: ModelConfig) -> Schedule:
     layer = np.arange(num_layers)
     boundary = layer % lpb == 0
     committed_before = np.concatenate([[0], np.cumsum(boundary)[:-1]]).astype(np.int32)
-    common = dict(boundary=boundary, embedding_in_slot0=False)
+    # Only the block variants have blocks; the others write at every layer, as if each started
+    # one (so the lean driver never splits their loops, drivers.block_runs).
+    every_layer = np.ones(num_layers, bool)
+    common = dict(boundary=every_layer, embedding_in_slot0=False)
     if cfg.residual == "baseline":
         zeros = np.zeros(num_layers, np.int32)
         return Schedule(num_slots=0, first_write=zeros, attn_visible=zeros, mlp_visible=zeros,
@@ -62,12 +65,13 @@ def schedule(cfg: ModelConfig) -> Schedule:
         return Schedule(num_slots=2 * num_layers + 1, first_write=2 * layer + 1,
                         attn_visible=np.where(layer == 0, 0, 2 * layer + 1),
                         mlp_visible=2 * layer + 2, final_visible=0, has_live=False,
-                        boundary=boundary, embedding_in_slot0=True)
+                        boundary=every_layer, embedding_in_slot0=True)
     if cfg.residual in ("block", "delta_block"):
         # One slot per block, committed at its first layer.
         total = int(boundary.sum())
         block = cfg.residual == "block"
         return Schedule(num_slots=total, first_write=committed_before,
                         attn_visible=committed_before, mlp_visible=committed_before + boundary,
-                        final_visible=total if block else 0, has_live=block, **common)
+                        final_visible=total if block else 0, has_live=block,
+                        boundary=boundary, embedding_in_slot0=False)
     raise ValueError(f"unknown residual variant {cfg.residual!r}")
