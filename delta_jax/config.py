@@ -22,8 +22,7 @@ ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
 # unroll_layers, buffer_segments, peel_block_starts, routing_kernel, routing_logits, attention)
-# only change how the
-# same function is computed; checkpoints may move between them.
+# only change how the same function is computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
                   "buffer_segments", "peel_block_starts", "routing_kernel", "routing_logits",
                   "attention")

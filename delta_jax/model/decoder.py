@@ -114,8 +114,10 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
                                   2 * row.layer)
     committed = write(h, slot) if full else _block_write(write, h, slot, row)
     a, cache = layer.attention(x, ctx)
-    if full or row.starts_block is None:
-        live = a if full else jnp.where(row.boundary, jnp.zeros_like(h), h) + a
+    if full:
+        live = a
+    elif row.starts_block is None:  # block restarts its partial sum at a boundary
+        live = jnp.where(row.boundary, jnp.zeros_like(h), h) + a
     else:
         live = a if row.starts_block else h + a
     stream = None if stream is None else stream + a
