@@ -192,6 +192,10 @@ def from_converted(cfg: ModelConfig, tensors: Iterator[tuple[KeyRule, np.ndarray
         else:  # each device (or process) takes its own slice of the host array
             value = jax.make_array_from_callback(array.shape, _get_path(shardings, path),
                                                  lambda index: array[index])
+        # Transfers are asynchronous and hold the host array until done: wait, or a fast reader
+        # on a busy host keeps several stacked tensors alive at once (peak memory then depends
+        # on timing, not on the model).
+        value.block_until_ready()
         _get_path(params, path).set_value(value)
 
     for rule, array in tensors:
