@@ -58,6 +58,7 @@ def load_and_measure(folder: Path) -> dict:
     from delta_jax import count_params
     from delta_jax.hf.load import load_pretrained
 
+    jax.devices()  # the runtime starts outside the measured load
     before = _peak_rss_bytes()
     start = time.perf_counter()
     model = load_pretrained(folder)
