@@ -89,10 +89,13 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     for row in rows:
         assert row["hbm_bytes"] == 95 * 2**30 and row["fits"] is True
         for key in ("params_bytes", "opt_state_bytes", "temp_bytes", "total_bytes", "flops",
-                    "bytes_accessed", "estimated_step_s", "estimated_mfu"):
+                    "bytes_accessed", "estimated_step_s", "estimated_mfu", "live_peak_bytes"):
             assert row[key] > 0, key
+        # The live peak counts the arguments (the state) it holds at once.
+        assert row["live_peak_bytes"] >= row["params_bytes"] + row["opt_state_bytes"]
     text = capsys.readouterr().out
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
+    assert "live at the peak" in text
 
 
 @pytest.mark.parametrize("driver", ["lean"])

@@ -79,6 +79,11 @@ class StepPlan:
     analytic_flops: float
     compile_s: float
     oom: str | None = None
+    # memory_analysis().peak_memory_in_bytes: the compiler's count of the bytes live at once at
+    # the peak (arguments included). A diagnostic: it leaves out the packing of the temporaries
+    # and what the TPU compiler adds to them after buffer assignment (around while loops), so
+    # it can be below total_bytes, which is what a chip has to hold (BENCHMARKS.md).
+    live_peak_bytes: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -256,4 +261,5 @@ def _compile(run: RunConfig, topology: Topology) -> StepPlan:
     return StepPlan(
         **fields, argument_bytes=argument, output_bytes=output, alias_bytes=alias,
         temp_bytes=temp, code_bytes=code, total_bytes=argument + temp + output - alias + code,
-        flops=None, bytes_accessed=None, estimated_step_s=None, compile_s=compile_s)
+        flops=None, bytes_accessed=None, estimated_step_s=None, compile_s=compile_s,
+        live_peak_bytes=getattr(memory, "peak_memory_in_bytes", None) or None)

@@ -71,6 +71,9 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None) -> str:
         f"    total             {_gib(plan.total_bytes)}{hbm_text}: "
         f"{_verdict(fits(plan, hbm), plan, hbm)}",
     ]
+    if plan.live_peak_bytes:
+        lines.append(f"    (live at the peak {_gib(plan.live_peak_bytes)}: the compiler's count "
+                     "before packing; the total is what has to fit)")
     if plan.oom:
         lines.append(f"    compiler: {plan.oom}")
     elif plan.flops is None:
