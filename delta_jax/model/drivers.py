@@ -199,8 +199,9 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
         # Where nothing after the layers reads the buffer (delta, delta_block) its cotangent
         # arrives as zeros. In the looped program XLA sinks those zeros into the first backward
-        # loop as a select over the whole buffer, materialised in every iteration (8B delta on
-        # v5p: 42.12 against 36.37 GiB a device); behind a barrier they are one plain buffer.
+        # loop as a select over the whole buffer, materialised in every iteration; behind a
+        # barrier they are one plain buffer (8B delta on v5p: 42.12 GiB a device without it,
+        # 36.37 with it).
         # The unrolled cost twin keeps the constant, as before: it has no loop to sink the
         # zeros into, and XLA folds them away there.
         d_carry = final_cotangent
