@@ -62,7 +62,9 @@ def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
     assert row["num_devices"] == 8 and row["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     assert row["total_bytes"] >= row["temp_bytes"] > 0 and row["params_bytes"] > 0
     assert row["fits"] is None  # no HBM figure for a CPU unless --hbm-gib
-    assert "not judged" in capsys.readouterr().out
+    assert row["routing_floor"]["num_slots"] == 2  # the config's delta_block, two blocks
+    text = capsys.readouterr().out
+    assert "not judged" in text and "routing floor" in text
 
 
 def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
@@ -96,6 +98,8 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
     assert "live at the peak" in text
+    assert rows[0]["routing_floor"] is None and rows[1]["routing_floor"]["slot_reads"] == 7
+    assert "routing against its floor" in text
 
 
 @pytest.mark.parametrize("driver", ["lean"])

@@ -5,5 +5,5 @@
 Modules: chips (HBM and peak FLOP/s per TPU chip), topology (names -> devices), compile (the
 trainer's step, compiled; memory and cost per device), report (fits, estimates, tables), knobs
 (the alternatives tried when a run does not fit), where (the smallest slice each config trains
-on), __main__ (the command line).
+on), floors (what routing cannot avoid, from the schedule), __main__ (the command line).
 """

@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from delta_jax.config import RESIDUALS  # noqa: E402
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.compile import StepPlan, compile_step, mesh_sizes, with_variant  # noqa: E402
+from delta_jax.plan.floors import floor_for_plan  # noqa: E402
 from delta_jax.plan.topology import PlanError, Topology, resolve  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
 
@@ -107,20 +108,29 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             else topology.peak_flops_per_device
             or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
     print(f"topology {topology.describe()}; config {args.config}")
-    results, plans = [], []
+    results, plans, floors = [], [], []
     for variant in variant_names(args.variants, base.model.residual):
         run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
         step_plan = compile_step(run, topology, estimate=not args.no_estimate)
+        floor = floor_for_plan(run.model, run.train.batch_size, run.train.seq_len,
+                               run.train.grad_accum, step_plan.mesh)
         plans.append(step_plan)
-        print(report.describe(step_plan, hbm, peak), flush=True)
+        floors.append(floor)
+        print(report.describe(step_plan, hbm, peak, floor), flush=True)
         entry = {"topology": topology.name, "num_slices": topology.num_slices,
-                 **report.to_dict(step_plan, hbm, peak)}
+                 **report.to_dict(step_plan, hbm, peak),
+                 "routing_floor": None if floor is None else floor.to_dict()}
         if report.fits(step_plan, hbm) is False and not args.no_suggest:
             entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak)
         results.append(entry)
     if len(plans) > 1 or args.markdown:
         print()
         print(report.variants_table(plans, hbm, markdown=args.markdown))
+    floor_table = report.floors_table(plans, floors, markdown=args.markdown)
+    if floor_table is not None:
+        print("\nrouting against its floor (the baseline plus what no form of routing avoids; "
+              "delta_jax/plan/floors.py):")
+        print(floor_table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from delta_jax.plan.compile import StepPlan
+from delta_jax.plan.floors import RoutingFloor
 
 GiB = 2**30
 
@@ -55,8 +56,10 @@ def _verdict(ok: bool | None, plan: StepPlan, hbm: int | None) -> str:
     return f"does NOT fit ({why}; {_gib(over)} over)"
 
 
-def describe(plan: StepPlan, hbm: int | None, peak: float | None) -> str:
-    """The per-device report of one compiled step, several lines."""
+def describe(plan: StepPlan, hbm: int | None, peak: float | None,
+             floor: RoutingFloor | None = None) -> str:
+    """The per-device report of one compiled step, several lines; with the routing `floor`
+    of its variant (floors.py), what of it no form of routing avoids."""
     est = plan.estimated_step_s
     tps, util = tokens_per_s(plan), mfu(plan, peak)
     hbm_text = f" of {_gib(hbm)} HBM" if hbm else ""
@@ -88,6 +91,12 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None) -> str:
             + ("-" if est is None else f"{est:.4f} s/step, {tps:,.0f} tokens/s"
                + ("" if util is None else f", MFU {util:.1%}")),
         ]
+    if floor is not None:
+        lines.append(
+            f"  routing floor (counted from the schedule, not compiled): a buffer of "
+            f"{floor.num_slots} sources, {_gib(floor.buffer_bytes)}, and its cotangent as much; "
+            f"reading it at least {_gib(floor.traffic_bytes)} a step ({floor.passes} passes "
+            f"over {floor.slot_reads} site-slot pairs)")
     lines.append(f"  compile time {plan.compile_s:.1f} s")
     return "\n".join(lines)
 
@@ -115,6 +124,33 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
             accessed + _ratio(p.bytes_accessed, base and base.bytes_accessed),
             "-" if tps is None else f"{tps:,.0f}",
             f"{p.compile_s:.0f}"])
+    return format_rows(header, rows, markdown)
+
+
+def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None],
+                 markdown: bool = False) -> str | None:
+    """The routing variants against their floors, as ratios to the baseline among `plans`:
+    HBM against the baseline's plus the buffer and its cotangent, bytes accessed against the
+    baseline's plus the floor's traffic. None without a baseline or a routing variant."""
+    base = next((p for p in plans if p.variant == "baseline"), None)
+    pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
+    if base is None or not pairs:
+        return None
+    header = ["variant", "HBM/device GiB", "HBM floor GiB", "bytes accessed GiB",
+              "bytes floor GiB"]
+    rows = []
+    for p, f in pairs:
+        hbm_floor = base.total_bytes + 2 * f.buffer_bytes
+        bytes_floor = (None if base.bytes_accessed is None
+                       else base.bytes_accessed + f.traffic_bytes)
+        rows.append([
+            p.variant,
+            f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base.total_bytes)}",
+            f"{hbm_floor / GiB:.2f}{_ratio(hbm_floor, base.total_bytes)}",
+            "-" if p.bytes_accessed is None else
+            f"{p.bytes_accessed / GiB:.1f}{_ratio(p.bytes_accessed, base.bytes_accessed)}",
+            "-" if bytes_floor is None else
+            f"{bytes_floor / GiB:.1f}{_ratio(bytes_floor, base.bytes_accessed)}"])
     return format_rows(header, rows, markdown)
 
 

@@ -1,0 +1,90 @@
+"""What routing cannot avoid, counted from the schedule without compiling: the source buffer a
+device holds, and the HBM traffic of the sites reading it.
+
+A routing site reads every buffer slot it sees (docs/spec.md section 2): the softmax needs each
+slot's logit, the mix each slot's value. However it is fused, a step of the lean driver then
+passes over each (site, visible slot) pair at least
+
+- once in the forward pass (logits and mix in one read),
+- once more when the backward pass recomputes the layer (the driver keeps no per-site output),
+- once in the backward pass (the logits' gradient needs each slot's product with the mix's
+  cotangent),
+- and reads and writes that slot's cotangent once (the site's share of it is added in place),
+
+five [B,T,D] passes with the lean driver, four with the others (which keep the layer's
+activations instead of recomputing them). Every slot is also written once and its cotangent
+read once. The buffer itself and its cotangent are two [S,B,T,D] arrays live at the same time
+in the backward pass, which is the HBM floor.
+
+These are floors for the lean driver's O(S) memory with each site's share of the cotangent
+added as the backward pass reaches it, for any form that keeps every source in HBM and reads it
+at every site that sees it, kernels included. Trading HBM lowers them: keeping each site's mix
+(one more [S,B,T,D] array) saves the recompute's pass; gathering each source's cotangent from
+the later sites' mix cotangents (kept, one more array) replaces the three backward passes with
+one (BENCHMARKS.md, "Against the v5p targets").
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from delta_jax.config import ModelConfig
+from delta_jax.model.layers import dtype_of
+from delta_jax.model.schedule import schedule
+
+# Slot-sized passes per (site, visible slot) pair; see the module docstring.
+LEAN_PASSES = 5
+SAVING_PASSES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingFloor:
+    """Per device and per step (all microbatches). slot_reads: the (site, visible slot) pairs
+    of one forward pass, the final site's included."""
+    num_slots: int
+    slot_bytes: int  # one source [B,T,D] of one microbatch on one device
+    buffer_bytes: int  # the values [S,B,T,D] and their inverse RMS [S,B,T] float32
+    slot_reads: int
+    passes: int
+    traffic_bytes: int  # passes * slot_reads + the slots' writes and their cotangents' reads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def visible_slot_reads(cfg: ModelConfig) -> int:
+    """(site, buffer slot) pairs a forward pass reads: each layer's attention site sees
+    attn_visible slots, its MLP site the slots before its layer's first write (a source the
+    layer itself writes reaches that site directly, not from the buffer), the final site
+    final_visible."""
+    plan = schedule(cfg)
+    if plan.num_slots == 0:
+        return 0
+    return int(np.sum(plan.attn_visible) + np.sum(plan.first_write) + plan.final_visible)
+
+
+def routing_floor(cfg: ModelConfig, rows_per_device: int, seq_len: int,
+                  grad_accum: int = 1) -> RoutingFloor | None:
+    """The floor of `cfg`'s routing on a device that holds `rows_per_device` sequences of a
+    microbatch; None for the baseline (no buffer)."""
+    num_slots = schedule(cfg).num_slots
+    if num_slots == 0:
+        return None
+    tokens = rows_per_device * seq_len
+    slot_bytes = tokens * cfg.hidden_size * np.dtype(dtype_of(cfg.dtype)).itemsize
+    passes = LEAN_PASSES if cfg.layer_driver == "lean" else SAVING_PASSES
+    reads = visible_slot_reads(cfg)
+    per_microbatch = (passes * reads + 2 * num_slots) * slot_bytes
+    return RoutingFloor(num_slots=num_slots, slot_bytes=slot_bytes,
+                        buffer_bytes=num_slots * (slot_bytes + tokens * 4), slot_reads=reads,
+                        passes=passes, traffic_bytes=grad_accum * per_microbatch)
+
+
+def floor_for_plan(cfg: ModelConfig, batch_size: int, seq_len: int, grad_accum: int,
+                   mesh: dict) -> RoutingFloor | None:
+    """routing_floor for a planned run: its microbatch split over mesh data x fsdp (the batch
+    axes; the sequence and the hidden size are not sharded, delta_jax.sharding)."""
+    shards = math.prod(mesh[axis] for axis in ("data", "fsdp"))
+    return routing_floor(cfg, batch_size // grad_accum // shards, seq_len, grad_accum)
