@@ -21,7 +21,7 @@ added as the backward pass reaches it, for any form that keeps every source in H
 at every site that sees it, kernels included. Trading HBM lowers them: keeping each site's mix
 (one more [S,B,T,D] array) saves the recompute's pass; gathering each source's cotangent from
 the later sites' mix cotangents (kept, one more array) replaces the three backward passes with
-one (BENCHMARKS.md, "Against the v5p targets").
+one (BENCHMARKS.md, "Routing against its floor").
 """
 from __future__ import annotations
 
