@@ -32,7 +32,7 @@ import numpy as np
 
 from delta_jax.config import ModelConfig
 from delta_jax.model.layers import dtype_of
-from delta_jax.model.schedule import schedule
+from delta_jax.model.schedule import Schedule, schedule
 
 # Slot-sized passes per (site, visible slot) pair; see the module docstring.
 LEAN_PASSES = 5
@@ -54,12 +54,12 @@ class RoutingFloor:
         return dataclasses.asdict(self)
 
 
-def visible_slot_reads(cfg: ModelConfig) -> int:
+def visible_slot_reads(cfg: ModelConfig, plan: Schedule | None = None) -> int:
     """(site, buffer slot) pairs a forward pass reads: each layer's attention site sees
     attn_visible slots, its MLP site the slots before its layer's first write (a source the
     layer itself writes reaches that site directly, not from the buffer), the final site
-    final_visible."""
-    plan = schedule(cfg)
+    final_visible. `plan`: cfg's schedule, when the caller has it."""
+    plan = schedule(cfg) if plan is None else plan
     if plan.num_slots == 0:
         return 0
     return int(np.sum(plan.attn_visible) + np.sum(plan.first_write) + plan.final_visible)
@@ -69,13 +69,14 @@ def routing_floor(cfg: ModelConfig, rows_per_device: int, seq_len: int,
                   grad_accum: int = 1) -> RoutingFloor | None:
     """The floor of `cfg`'s routing on a device that holds `rows_per_device` sequences of a
     microbatch; None for the baseline (no buffer)."""
-    num_slots = schedule(cfg).num_slots
+    plan = schedule(cfg)
+    num_slots = plan.num_slots
     if num_slots == 0:
         return None
     tokens = rows_per_device * seq_len
     slot_bytes = tokens * cfg.hidden_size * np.dtype(dtype_of(cfg.dtype)).itemsize
     passes = LEAN_PASSES if cfg.layer_driver == "lean" else SAVING_PASSES
-    reads = visible_slot_reads(cfg)
+    reads = visible_slot_reads(cfg, plan)
     per_microbatch = (passes * reads + 2 * num_slots) * slot_bytes
     return RoutingFloor(num_slots=num_slots, slot_bytes=slot_bytes,
                         buffer_bytes=num_slots * (slot_bytes + tokens * 4), slot_reads=reads,

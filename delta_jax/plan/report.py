@@ -101,13 +101,18 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
     return "\n".join(lines)
 
 
+def _baseline(plans: Sequence[StepPlan]) -> StepPlan | None:
+    """The plan the ratios are to: the baseline among `plans`, if compiled."""
+    return next((p for p in plans if p.variant == "baseline"), None)
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     return "" if value is None or not base else f" ({value / base:.2f}x)"
 
 
 def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False) -> str:
     """One row per plan, ratios to the baseline among them (compiled in the same process)."""
-    base = next((p for p in plans if p.variant == "baseline"), None)
+    base = _baseline(plans)
     header = ["variant", "HBM/device GiB", "fits", "est. step s", "bytes accessed GiB",
               "est. tokens/s", "compile s"]
     rows = []
@@ -132,7 +137,7 @@ def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None
     """The routing variants against their floors, as ratios to the baseline among `plans`:
     HBM against the baseline's plus the buffer and its cotangent, bytes accessed against the
     baseline's plus the floor's traffic. None without a baseline or a routing variant."""
-    base = next((p for p in plans if p.variant == "baseline"), None)
+    base = _baseline(plans)
     pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
     if base is None or not pairs:
         return None
