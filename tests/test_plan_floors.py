@@ -80,7 +80,7 @@ def test_floors_table_adds_the_floor_to_the_baseline():
     floor = routing_floor(_config("delta", num_layers=3), 2, 16)
     plans = [_plan("baseline", 10 * gib, 100.0 * gib), _plan("delta", 13 * gib, 140.0 * gib)]
     table = report.floors_table(plans, [None, floor])
-    hbm_floor = (10 * gib + 2 * floor.buffer_bytes) / gib
+    hbm_floor = (10 * gib + floor.buffer_bytes) / gib
     bytes_floor = (100.0 * gib + floor.traffic_bytes) / gib
     (row,) = [line for line in table.splitlines() if line.startswith("delta")]
     assert "13.00 (1.30x)" in row and "140.0 (1.40x)" in row

@@ -13,15 +13,23 @@ passes over each (site, visible slot) pair at least
 
 five [B,T,D] passes with the lean driver, four with the others (which keep the layer's
 activations instead of recomputing them). Every slot is also written once and its cotangent
-read once. The buffer itself and its cotangent are two [S,B,T,D] arrays live at the same time
-in the backward pass, which is the HBM floor.
+read once.
+
+The HBM floor is one buffer on top of the baseline's: the buffer is live from the forward pass
+to the end of the backward pass, so also wherever the baseline's step peaks. Its cotangent, a
+second [S,B,T,D] array, is live only while the backward pass runs through the layers; it adds
+to the floor only where the step's peak falls there, and where that is cannot be counted
+without compiling. (At the configs' shapes it does not fall there: for delta at 1044M and 220M
+on v5p the compiler's count of the bytes live at the peak is one buffer above the baseline's;
+BENCHMARKS.md, "Per variant on v5p".)
 
 These are floors for the lean driver's O(S) memory with each site's share of the cotangent
 added as the backward pass reaches it, for any form that keeps every source in HBM and reads it
-at every site that sees it, kernels included. Trading HBM lowers them: keeping each site's mix
-(one more [S,B,T,D] array) saves the recompute's pass; gathering each source's cotangent from
-the later sites' mix cotangents (kept, one more array) replaces the three backward passes with
-one (BENCHMARKS.md, "Routing against its floor").
+at every site that sees it, kernels included. Trading HBM lowers the traffic: keeping each
+site's mix (one more [S,B,T,D] array, live from the forward pass on, so it adds to the HBM floor)
+saves the recompute's pass; gathering each source's cotangent from the later sites' mix
+cotangents (kept, one more array) replaces the three backward passes with one (BENCHMARKS.md,
+"Routing against its floor").
 """
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
     if floor is not None:
         lines.append(
             f"  routing floor (counted from the schedule, not compiled): a buffer of "
-            f"{floor.num_slots} sources, {_gib(floor.buffer_bytes)}, and its cotangent as much; "
+            f"{floor.num_slots} sources, {_gib(floor.buffer_bytes)} above the baseline's HBM; "
             f"reading it at least {_gib(floor.traffic_bytes)} a step ({floor.passes} passes "
             f"over {floor.slot_reads} site-slot pairs)")
     lines.append(f"  compile time {plan.compile_s:.1f} s")
@@ -135,8 +135,9 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
 def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None],
                  markdown: bool = False) -> str | None:
     """The routing variants against their floors, as ratios to the baseline among `plans`:
-    HBM against the baseline's plus the buffer and its cotangent, bytes accessed against the
-    baseline's plus the floor's traffic. None without a baseline or a routing variant."""
+    HBM against the baseline's plus the buffer (floors.py: its cotangent is not live at every
+    peak), bytes accessed against the baseline's plus the floor's traffic. None without a
+    baseline or a routing variant."""
     base = _baseline(plans)
     pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
     if base is None or not pairs:
@@ -145,7 +146,7 @@ def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None
               "bytes floor GiB"]
     rows = []
     for p, f in pairs:
-        hbm_floor = base.total_bytes + 2 * f.buffer_bytes
+        hbm_floor = base.total_bytes + f.buffer_bytes
         bytes_floor = (None if base.bytes_accessed is None
                        else base.bytes_accessed + f.traffic_bytes)
         rows.append([
