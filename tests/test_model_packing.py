@@ -98,10 +98,11 @@ def test_drivers_agree_on_packed_gradients(packed, residual):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum):
+@pytest.mark.parametrize("grad_accum,vocab_chunks", [(1, 1), (2, 1), (2, 4)])
+def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum, vocab_chunks):
     """The train step's loss (before its update) and the eval step's sum and count: the EOS
-    labels left out, every other token weighs the same, whichever microbatch holds it."""
+    labels left out, every other token weighs the same, whichever microbatch holds it; also
+    with the loss formed a vocabulary chunk at a time (train.loss_vocab_chunks)."""
     cfg = tiny(residual="delta")
     rng = np.random.default_rng(1)
     # few distinct lengths: each compiles the model alone once
@@ -118,8 +119,9 @@ def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum):
     with jax.set_mesh(mesh):
         state = init_state(cfg, tx, shardings, seed=0)
         params = jax.device_get(state.params)
-        step = make_train_step(graphdef, tx, schedules(opt, 10), grad_accum, shardings, mesh)
-        evaluate = make_eval_step(graphdef, shardings.params, mesh)
+        step = make_train_step(graphdef, tx, schedules(opt, 10), grad_accum, shardings, mesh,
+                               loss_vocab_chunks=vocab_chunks)
+        evaluate = make_eval_step(graphdef, shardings.params, mesh, vocab_chunks)
         on_mesh = jax.device_put(batch, batch_sharding(mesh))
         nll_sum, counted = evaluate(state.params, on_mesh)
         _, metrics = step(state, on_mesh)

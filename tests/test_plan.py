@@ -7,6 +7,7 @@ import pytest
 from delta_jax.plan import knobs, report, topology
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.compile import StepPlan
+from delta_jax.train.config import load_config
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
@@ -52,6 +53,15 @@ def test_grad_accum_alternatives_keep_microbatches_splittable():
     assert knobs.max_grad_accum(64, 16) == 4
     assert knobs.max_grad_accum(8, 8) == 1
     assert knobs.stronger_remat("save_dots") == ("save_sublayer_outputs", "full")
+
+
+def test_whole_logits_are_offered_in_vocabulary_chunks():
+    mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    whole = load_config("configs/220m.yaml", [*TINY, "train.loss_vocab_chunks=1"])
+    offered = dict(knobs.alternatives(whole, mesh))
+    assert offered["train.loss_vocab_chunks=8"].train.loss_vocab_chunks == 8
+    chunked = load_config("configs/220m.yaml", TINY)  # the config already chunks
+    assert not any(c.startswith("train.loss_vocab") for c, _ in knobs.alternatives(chunked, mesh))
 
 
 def test_cpu_topology_compiles_and_reports(tmp_path, capsys):

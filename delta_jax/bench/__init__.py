@@ -47,7 +47,8 @@ def bench_one(run: RunConfig, *, steps: int, warmup: int, compile_only: bool) ->
     shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
     graphdef, _ = abstract_graph_and_params(cfg)
     step_fn = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps),
-                              train.grad_accum, shardings, mesh)
+                              train.grad_accum, shardings, mesh,
+                              loss_vocab_chunks=train.loss_vocab_chunks)
     shape = (train.batch_size, train.seq_len)
     batch_spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh))
     with jax.set_mesh(mesh):

@@ -60,11 +60,16 @@ class CausalLM(nnx.Module):
         return self.forward(input_ids, positions=positions, segment_ids=segment_ids,
                             driver=driver).logits
 
+    def head(self) -> jax.Array:
+        """The output projection [D,V] in the compute dtype (the embedding's transpose when
+        tied)."""
+        head = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...])
+        return head.astype(dtype_of(self.config.dtype))
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B,T,D] final-normed -> [B,T,V]."""
-        dtype = dtype_of(self.config.dtype)
-        head = (self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...])
-        return constrain(hidden.astype(dtype) @ head.astype(dtype), ("batch", "seq", "vocab"))
+        head = self.head()
+        return constrain(hidden.astype(head.dtype) @ head, ("batch", "seq", "vocab"))
 
     def site_queries(self) -> jax.Array:
         """[G,D] float32: every routing site's w*g in call order (layer l's attention site at

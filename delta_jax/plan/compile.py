@@ -216,7 +216,7 @@ def _prepare(run: RunConfig, topology: Topology):
     shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
     graphdef, _ = abstract_graph_and_params(cfg)
     step = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps), train.grad_accum,
-                           shardings, mesh)
+                           shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks)
     state = abstract_state(cfg, tx, shardings)
     ids = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), jnp.int32,
                                sharding=batch_sharding(mesh))

@@ -2,8 +2,9 @@
 
 Alternatives to a run that does not fit, each one change away from it: a stronger remat policy
 (the layer saves less and recomputes more), more gradient accumulation (smaller microbatches;
-the rows of one must still split over data x fsdp), and every device on fsdp (parameters and
-optimizer state sharded over all of them, when some sat on data or tensor).
+the rows of one must still split over data x fsdp), every device on fsdp (parameters and
+optimizer state sharded over all of them, when some sat on data or tensor), and a loss that
+forms the logits a vocabulary chunk at a time (when it forms them whole).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from delta_jax.train.config import MeshConfig, RunConfig
 
 # Least to most memory saved (each saves a subset of what the previous one keeps).
 REMAT_ORDER = ("none", "save_dots", "save_sublayer_outputs", "full")
+# The chunk count offered to a run whose loss forms the whole [B,T,V] logits.
+LOSS_VOCAB_CHUNKS = 8
 
 
 def with_remat(run: RunConfig, policy: str) -> RunConfig:
@@ -21,6 +24,11 @@ def with_remat(run: RunConfig, policy: str) -> RunConfig:
 
 def with_grad_accum(run: RunConfig, grad_accum: int) -> RunConfig:
     return dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum=grad_accum))
+
+
+def with_loss_vocab_chunks(run: RunConfig, chunks: int) -> RunConfig:
+    return dataclasses.replace(run, train=dataclasses.replace(run.train,
+                                                              loss_vocab_chunks=chunks))
 
 
 def with_mesh(run: RunConfig, data: int, fsdp: int, tensor: int) -> RunConfig:
@@ -46,6 +54,9 @@ def alternatives(run: RunConfig, mesh: dict[str, int]) -> list[tuple[str, RunCon
         if accum * factor <= limit and (run.train.batch_size // (accum * factor)) % shards == 0:
             out.append((f"train.grad_accum={accum * factor}",
                         with_grad_accum(run, accum * factor)))
+    if run.train.loss_vocab_chunks == 1 and run.model.vocab_size % LOSS_VOCAB_CHUNKS == 0:
+        out.append((f"train.loss_vocab_chunks={LOSS_VOCAB_CHUNKS}",
+                    with_loss_vocab_chunks(run, LOSS_VOCAB_CHUNKS)))
     devices = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
     if mesh["fsdp"] != devices and run.train.batch_size // accum % devices == 0:
         out.append((f"mesh.data=1 mesh.fsdp={devices} mesh.tensor=1",

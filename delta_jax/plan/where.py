@@ -43,7 +43,7 @@ def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
         yield knobs.with_remat(placed, policy)
     most = knobs.max_grad_accum(batch, fsdp)
     accum = 2
-    while accum <= most:  # (the logits [B/A, T, V] dominate at small slices: remat cannot help)
+    while accum <= most:  # (the loss's logits grow with the microbatch: remat cannot help)
         if batch % accum == 0 and (batch // accum) % fsdp == 0:
             yield knobs.with_grad_accum(knobs.with_remat(placed, "full"), accum)
         accum *= 2

@@ -42,6 +42,9 @@ class TrainConfig:
     batch_size: int = 8  # global, in sequences, per optimizer step
     seq_len: int = 256
     grad_accum: int = 1  # microbatches per step; batch_size must divide by it
+    # >1: the loss forms the [B,T,V] logits this many vocabulary chunks at a time and never
+    # whole (train/loss.py); must divide model.vocab_size. 1: whole logits.
+    loss_vocab_chunks: int = 1
     log_every: int = 10
     eval_every: int = 100  # validation perplexity; 0 = only at the end
     eval_batches: int = 8  # global validation batches per evaluation (fewer if the split ends)
@@ -128,6 +131,9 @@ class RunConfig:
             (t.seq_len >= 1, "train.seq_len", t.seq_len, "an integer >= 1"),
             (t.grad_accum >= 1 and t.batch_size % t.grad_accum == 0, "train.grad_accum",
              t.grad_accum, f"a divisor of train.batch_size={t.batch_size}"),
+            (t.loss_vocab_chunks >= 1
+             and self.model.vocab_size % t.loss_vocab_chunks == 0, "train.loss_vocab_chunks",
+             t.loss_vocab_chunks, f"a divisor of model.vocab_size={self.model.vocab_size}"),
             (t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1"),
             (t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", t.max_nonfinite_steps,
              "an integer >= 1"),

@@ -160,8 +160,10 @@ class Trainer:
             raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
                                  f"({type(e).__name__}: {e})") from e
         self.step_fn = make_train_step(self.graphdef, self.tx, self.lrs, cfg.train.grad_accum,
-                                       self.shardings, self.mesh, cfg.train.inject_nan_steps)
-        self.eval_fn = make_eval_step(self.graphdef, self.shardings.params, self.mesh)
+                                       self.shardings, self.mesh, cfg.train.inject_nan_steps,
+                                       cfg.train.loss_vocab_chunks)
+        self.eval_fn = make_eval_step(self.graphdef, self.shardings.params, self.mesh,
+                                      cfg.train.loss_vocab_chunks)
         self.probe_fn = make_routing_probe(self.graphdef, self.shardings.params, self.mesh)
         self.flops_per_token = metrics_lib.train_flops_per_token(self.model_cfg,
                                                                  cfg.train.seq_len)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from delta_jax.sharding import batch_sharding
+from delta_jax.train.loss import vocab_chunked_cross_entropy
 from delta_jax.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -50,10 +51,28 @@ def _logits(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
                  segment_ids=batch.get("segment_ids"))
 
 
-def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array) -> jax.Array:
+def _chunked_token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch,
+                          vocab_chunks: int) -> tuple[jax.Array, jax.Array]:
+    """token_losses without the [B,T,V] logits (train/loss.py)."""
+    model = nnx.merge(graphdef, nnx.State(params))
+    hidden = model.forward(batch["input_ids"], positions=batch.get("positions"),
+                           segment_ids=batch.get("segment_ids")).hidden
+    head = model.head()
+    counted = batch["labels"] >= 0
+    ce = vocab_chunked_cross_entropy(hidden.astype(head.dtype), head,
+                                     jnp.where(counted, batch["labels"], 0), vocab_chunks)
+    return jnp.where(counted, ce, 0.0), counted
+
+
+def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array,
+          vocab_chunks: int = 1) -> jax.Array:
     """The microbatch's CE summed over its counted tokens / `tokens` (float32 []: the mean count
     per microbatch, so that averaging over microbatches weighs every token of the batch alike);
-    concat batches keep the plain mean, bit for bit what it always was."""
+    concat batches keep the plain mean, bit for bit what it always was. `vocab_chunks` > 1
+    forms the logits that many vocabulary columns at a time (train.loss_vocab_chunks)."""
+    if vocab_chunks > 1:
+        ce, _ = _chunked_token_losses(graphdef, params, batch, vocab_chunks)
+        return ce.mean() if not is_packed(batch) else ce.sum() / tokens
     logits = _logits(graphdef, params, batch)
     if not is_packed(batch):
         return cross_entropy(logits, batch["labels"])
@@ -63,13 +82,15 @@ def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array)
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     lr_schedules: dict[str, optax.Schedule], grad_accum: int,
                     state_shardings: TrainState, mesh: Mesh,
-                    inject_nan_steps: tuple[int, ...] = ()) -> Callable:
+                    inject_nan_steps: tuple[int, ...] = (),
+                    loss_vocab_chunks: int = 1) -> Callable:
     """(state, batch [B,T]) -> (state, metrics {loss, grad_norm, lr, routing_lr: float32 [],
     skipped: int32 [] (1 when the update was skipped)}).
 
     A step whose loss or gradients are not finite leaves the parameters and the optimizer state
     as they were (the step counter still advances: its batch is consumed). `inject_nan_steps`
-    (tests only) makes the loss of those steps (1-based) NaN.
+    (tests only) makes the loss of those steps (1-based) NaN. `loss_vocab_chunks` > 1 computes
+    the loss without the [B,T,V] logits, that many vocabulary chunks at a time (train/loss.py).
 
     With grad_accum A the batch is split into A microbatches of B/A rows that are run one after
     another under a scan and whose gradients are averaged (so the loss is the mean over the
@@ -77,7 +98,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     device's contiguous block of rows splits locally, without moving data between devices.
     With ignored labels (documents packing) the loss is the mean over the batch's counted tokens.
     """
-    grad_fn = jax.value_and_grad(lambda p, b, n: _loss(graphdef, p, b, n))
+    grad_fn = jax.value_and_grad(lambda p, b, n: _loss(graphdef, p, b, n, loss_vocab_chunks))
     micro_sharding = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
 
     def step(state: TrainState, batch: Batch):
@@ -124,10 +145,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh,
+                   loss_vocab_chunks: int = 1) -> Callable:
     """(params, batch [B,T]) -> (summed token CE float32 [], counted tokens int32 []): divide
-    the sums over batches by the counts."""
+    the sums over batches by the counts. `loss_vocab_chunks` as in make_train_step."""
     def evaluate(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        if loss_vocab_chunks > 1:
+            ce, counted = _chunked_token_losses(graphdef, params, batch, loss_vocab_chunks)
+            return ce.sum(), counted.sum(dtype=jnp.int32)
         logits = _logits(graphdef, params, batch)
         if not is_packed(batch):
             labels = batch["labels"]
