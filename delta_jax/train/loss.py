@@ -2,10 +2,11 @@
 
 With Qwen3's 151,936-token vocabulary the [B,T,V] logits are most of a train step's memory: at
 1044M on v5p (8 sequences of 2048 a chip) the bf16 logits and their float32 copy take 4.6 and
-9.3 GiB a chip (BENCHMARKS.md). `vocab_chunked_cross_entropy` never forms them: the forward pass runs over
-the vocabulary in C chunks of V/C columns, keeping a running max, sum of exponentials and the
-label's logit per token (an online logsumexp), and the backward pass recomputes each chunk's
-logits from the saved per-token logsumexp, so a step holds one [B,T,V/C] chunk at a time.
+9.3 GiB a chip (BENCHMARKS.md). `vocab_chunked_cross_entropy` never forms them: the forward
+pass runs over the vocabulary in C chunks of V/C columns, keeping a running max, sum of
+exponentials and the label's logit per token (an online logsumexp), and the backward pass
+recomputes each chunk's logits from the saved per-token logsumexp, so a step holds one
+[B,T,V/C] chunk at a time.
 
 Chunk k holds the columns k, k + C, k + 2C, ... (a strided split), so each chunk of a head
 sharded over the vocabulary (tensor parallel) stays sharded the same way. Each chunk's logits
