@@ -108,4 +108,3 @@ def _bwd(chunks, residuals, d_ce):
 
 
 vocab_chunked_cross_entropy.defvjp(_fwd, _bwd)
-

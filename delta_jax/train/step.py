@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from delta_jax.model.causal_lm import CausalLM, ModelOutput
 from delta_jax.sharding import batch_sharding
 from delta_jax.train.loss import vocab_chunked_cross_entropy
 from delta_jax.train.state import TrainState
@@ -31,13 +32,19 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         logits.astype(jnp.float32), labels).mean()
 
 
+def _counted_losses(labels: jax.Array, ce_of: Callable[[jax.Array], jax.Array]
+                    ) -> tuple[jax.Array, jax.Array]:
+    """labels [B,T] (< 0: no loss), ce_of(labels with those set to 0) -> CE [B,T] ->
+    (CE float32 [B,T], 0 where ignored; whether each token counts, bool [B,T])."""
+    counted = labels >= 0
+    return jnp.where(counted, ce_of(jnp.where(counted, labels, 0)), 0.0), counted
+
+
 def token_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [B,T,V], labels [B,T] (< 0: no loss) -> (CE float32 [B,T], 0 where ignored;
     whether each token counts, bool [B,T])."""
-    counted = labels >= 0
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                         jnp.where(counted, labels, 0))
-    return jnp.where(counted, ce, 0.0), counted
+    return _counted_losses(labels, lambda safe: optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), safe))
 
 
 def is_packed(batch: Batch) -> bool:
@@ -45,23 +52,25 @@ def is_packed(batch: Batch) -> bool:
     return "segment_ids" in batch
 
 
-def _logits(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
+def _run_model(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[CausalLM, ModelOutput]:
+    """(the model, its ModelOutput on the batch's inputs)."""
     model = nnx.merge(graphdef, nnx.State(params))
-    return model(batch["input_ids"], positions=batch.get("positions"),
-                 segment_ids=batch.get("segment_ids"))
+    return model, model.forward(batch["input_ids"], positions=batch.get("positions"),
+                                segment_ids=batch.get("segment_ids"))
+
+
+def _logits(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
+    return _run_model(graphdef, params, batch)[1].logits
 
 
 def _chunked_token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch,
                           vocab_chunks: int) -> tuple[jax.Array, jax.Array]:
     """token_losses without the [B,T,V] logits (train/loss.py)."""
-    model = nnx.merge(graphdef, nnx.State(params))
-    hidden = model.forward(batch["input_ids"], positions=batch.get("positions"),
-                           segment_ids=batch.get("segment_ids")).hidden
+    model, output = _run_model(graphdef, params, batch)
     head = model.head()
-    counted = batch["labels"] >= 0
-    ce = vocab_chunked_cross_entropy(hidden.astype(head.dtype), head,
-                                     jnp.where(counted, batch["labels"], 0), vocab_chunks)
-    return jnp.where(counted, ce, 0.0), counted
+    hidden = output.hidden.astype(head.dtype)
+    return _counted_losses(batch["labels"], lambda safe: vocab_chunked_cross_entropy(
+        hidden, head, safe, vocab_chunks))
 
 
 def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array,
