@@ -200,3 +200,47 @@ def test_multislice_puts_data_across_slices(tmp_path, capsys):
     assert row["num_devices"] == 8 and row["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
     assert main(args) == 2  # mesh.data=1 cannot span two slices
     assert "multiple of the number of slices" in capsys.readouterr().err
+
+
+def test_worker_survives_a_crashing_call():
+    import operator
+    import os
+
+    from delta_jax.plan.isolated import CompilerCrash, Worker
+
+    with Worker(operator.truediv) as divide:
+        assert divide(6, 3) == 2
+        with pytest.raises(ZeroDivisionError):  # the child's exception, raised here
+            divide(1, 0)
+        assert divide(1, 4) == 0.25  # the same child, still serving
+    with Worker(os.abort) as abort:
+        with pytest.raises(CompilerCrash, match="SIGABRT"):
+            abort()
+    with Worker(os._exit) as exit_:
+        with pytest.raises(CompilerCrash, match="status 3"):
+            exit_(3)
+        with pytest.raises(CompilerCrash):  # a fresh child each time
+            exit_(0)
+
+
+@needs_libtpu
+def test_where_skips_a_candidate_the_compiler_crashes_on():
+    from delta_jax.plan import where
+    from delta_jax.plan.isolated import CompilerCrash
+
+    run = load_config("configs/220m.yaml", TINY)
+    seen = []
+
+    def compile_memory(candidate, topology_name):  # as if remat none crashed the compiler
+        seen.append((topology_name, candidate.model.remat))
+        if candidate.model.remat == "none":
+            raise CompilerCrash("the compiling process was killed by SIGSEGV")
+        return _plan(remat=candidate.model.remat, mesh={"data": 1, "fsdp": 1, "tensor": 1},
+                     total_bytes=2**30)
+
+    row = where.smallest_fit(run, "v5e", compile_memory)
+    assert seen == [("v5e:1x1", "none"), ("v5e:1x1", "save_dots")]
+    assert (row["slice"], row["remat"]) == ("1x1", "save_dots")
+    assert row["crashed"] == ["v5e:1x1 remat=none grad_accum=1 mesh=data1/fsdp1/tensor1"]
+    text = where.table([{"config": "220m", **row}], markdown=False)
+    assert "compiler crashed" in text and "220m on v5e:1x1 remat=none" in text

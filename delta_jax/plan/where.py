@@ -8,7 +8,8 @@ device goes to fsdp (to tensor what the batch cannot split over), and the knobs 
 until the step fits: remat none, save_dots, full, then full with 2, 4, 8, ... microbatches
 (as many as the batch allows). The first that fits is reported. A slice whose parameters and
 optimizer state alone exceed HBM is skipped without compiling. Memory only: each candidate is
-the real train step compiled for that slice (compile.compile_step, estimate=False).
+the real train step compiled for that slice (compile.compile_step, estimate=False), in a child
+process (plan/isolated.py): a candidate on which the compiler crashes is reported and skipped.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
 
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.chips import SLICES, chip  # noqa: E402
-from delta_jax.plan.compile import compile_step, state_bytes  # noqa: E402
+from delta_jax.plan.compile import StepPlan, compile_step, state_bytes  # noqa: E402
+from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError, resolve  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
 
@@ -49,23 +52,51 @@ def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
         accum *= 2
 
 
-def smallest_fit(run: RunConfig, chip_name: str) -> dict[str, Any]:
-    """The first (slice, knobs) on which `run` fits, with its memory; or the largest tried."""
+@cache
+def _topology(name: str):
+    return resolve(name)
+
+
+def memory_plan(run: RunConfig, topology_name: str) -> StepPlan:
+    """The candidate's compiled memory (what a Worker runs in its child process)."""
+    return compile_step(run, _topology(topology_name), estimate=False)
+
+
+def _knobs(run: RunConfig) -> str:
+    m = run.mesh
+    return (f"remat={run.model.remat} grad_accum={run.train.grad_accum} "
+            f"mesh=data{m.data}/fsdp{m.fsdp}/tensor{m.tensor}")
+
+
+def smallest_fit(run: RunConfig, chip_name: str,
+                 compile_memory: Callable[[RunConfig, str], StepPlan] = memory_plan
+                 ) -> dict[str, Any]:
+    """The first (slice, knobs) on which `run` fits, with its memory; or the largest tried.
+    Candidates on which `compile_memory` raises CompilerCrash are listed under "crashed"."""
+    crashed = []
     for shape in SLICES[chip_name]:
-        topology = resolve(f"{chip_name}:{shape}")
+        topology = _topology(f"{chip_name}:{shape}")
         hbm = topology.hbm_per_device
         tried = list(candidates(run, topology.num_devices))
         if not tried or state_bytes(tried[0], topology) > hbm:
             continue
         for candidate in tried:
-            plan = compile_step(candidate, topology, estimate=False)
+            try:
+                plan = compile_memory(candidate, topology.name)
+            except CompilerCrash as crash:
+                print(f"  {topology.name}: {_knobs(candidate)}: skipped, the compiler crashed "
+                      f"({crash})", file=sys.stderr, flush=True)
+                crashed.append(f"{topology.name} {_knobs(candidate)}")
+                continue
             print(f"  {topology.name}: {plan.knobs}: {plan.total_bytes / GiB:.1f} GiB of "
                   f"{hbm / GiB:.1f}", file=sys.stderr, flush=True)
             if report.fits(plan, hbm):
                 return {"chip": chip_name, "slice": shape, "devices": topology.num_devices,
                         "mesh": plan.mesh, "remat": plan.remat, "grad_accum": plan.grad_accum,
-                        "hbm_bytes": plan.total_bytes, "hbm_per_device": hbm}
-    return {"chip": chip_name, "slice": None, "largest_tried": SLICES[chip_name][-1]}
+                        "hbm_bytes": plan.total_bytes, "hbm_per_device": hbm,
+                        "crashed": crashed}
+    return {"chip": chip_name, "slice": None, "largest_tried": SLICES[chip_name][-1],
+            "crashed": crashed}
 
 
 def table(rows: list[dict[str, Any]], markdown: bool) -> str:
@@ -81,7 +112,13 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
         body.append([r["config"], r["chip"], f"{r['chip']}:{r['slice']} ({r['devices']})",
                      f"{m['data']}/{m['fsdp']}/{m['tensor']}", r["remat"], str(r["grad_accum"]),
                      f"{r['hbm_bytes'] / GiB:.1f} of {r['hbm_per_device'] / GiB:.0f}"])
-    return report.format_rows(header, body, markdown)
+    text = report.format_rows(header, body, markdown)
+    crashes = [f"{r['config']} on {c}" for r in rows for c in r.get("crashed", [])]
+    if crashes:
+        text += ("\n\nskipped, the compiler crashed on them (such a step may compile with "
+                 "another setting, e.g. more train.loss_vocab_chunks):\n"
+                 + "\n".join(f"- {c}" for c in crashes))
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,11 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise PlanError(f"--chips {name!r}: no slice list; expected some of "
                                 f"{', '.join(SLICES)}")
         rows = []
-        for path in [c for c in args.configs.split(",") if c]:
-            run = load_config(path, args.overrides)
-            for name in chips:
-                print(f"{path} on {name}", file=sys.stderr, flush=True)
-                rows.append({"config": Path(path).stem, **smallest_fit(run, name)})
+        with Worker(memory_plan) as compile_memory:
+            for path in [c for c in args.configs.split(",") if c]:
+                run = load_config(path, args.overrides)
+                for name in chips:
+                    print(f"{path} on {name}", file=sys.stderr, flush=True)
+                    rows.append({"config": Path(path).stem,
+                                 **smallest_fit(run, name, compile_memory)})
     except (PlanError, ValueError, FileNotFoundError) as err:
         print(f"python -m delta_jax.plan.where: error: {err}", file=sys.stderr)
         return 2
