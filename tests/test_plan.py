@@ -244,3 +244,37 @@ def test_where_skips_a_candidate_the_compiler_crashes_on():
     assert row["crashed"] == ["v5e:1x1 remat=none grad_accum=1 mesh=data1/fsdp1/tensor1"]
     text = where.table([{"config": "220m", **row}], markdown=False)
     assert "compiler crashed" in text and "220m on v5e:1x1 remat=none" in text
+
+
+def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
+        tmp_path, capsys, monkeypatch):
+    import delta_jax.plan.__main__ as planner
+    from delta_jax.plan.compile import compile_named
+    from delta_jax.plan.isolated import CompilerCrash
+
+    class CrashesOnDelta:  # in place of the child process: a real compile, or a crash for delta
+        def __init__(self, function):
+            assert function is compile_named
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def __call__(self, run, *args):
+            if run.model.residual == "delta":
+                raise CompilerCrash("the compiling process was killed by SIGSEGV")
+            return compile_named(run, *args)
+
+    monkeypatch.setattr(planner, "Worker", CrashesOnDelta)
+    out = tmp_path / "plan.json"
+    status = main([*CONFIG, "--topology", "cpu:8", "--variants", "baseline,delta",
+                   "--no-estimate", "--json", str(out), *TINY])
+    assert status == 3
+    baseline, delta = json.loads(out.read_text())
+    assert baseline["variant"] == "baseline" and baseline["total_bytes"] > 0
+    assert delta == {"topology": "cpu:8", "num_slices": 1, "variant": "delta", "fits": None,
+                     "compiler_crash": "the compiling process was killed by SIGSEGV"}
+    assert "delta: not planned, the compiler crashed (the compiling process was killed by " \
+        "SIGSEGV)" in capsys.readouterr().out

@@ -10,9 +10,12 @@ version>"`) but no TPU; `cpu:N` uses N (fake) CPU devices. Prints per device the
 optimizer state, batch, temporaries and total against the chip's HBM, fits or not; XLA's FLOPs,
 bytes accessed and its cost-model step time (an estimate, not a measurement) with the
 tokens/s and MFU that follow. A run that does not fit is compiled again with each knob turned
-one notch (remat, grad_accum, all-fsdp) to show which helps and by how much.
+one notch (remat, grad_accum, all-fsdp) to show which helps and by how much. Each compile runs
+in a child process (plan/isolated.py): a compiler crash is reported for its variant and the
+others go on.
 
-Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input.
+Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input,
+3 the compiler crashed on some variant (and the rest fit).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from delta_jax.config import RESIDUALS  # noqa: E402
 from delta_jax.plan import knobs, report  # noqa: E402
-from delta_jax.plan.compile import StepPlan, compile_step, mesh_sizes, with_variant  # noqa: E402
+from delta_jax.plan.compile import StepPlan, compile_named, mesh_sizes, with_variant  # noqa: E402
 from delta_jax.plan.floors import floor_for_plan  # noqa: E402
+from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError, Topology, resolve  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
 
@@ -79,11 +83,16 @@ def variant_names(text: str | None, default: str) -> list[str]:
 
 
 def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
-            peak: float | None) -> list[dict[str, Any]]:
+            peak: float | None, compile_: Worker) -> list[dict[str, Any]]:
     """Compile each one-notch alternative to `run`; print and return how each does."""
     rows, out = [], []  # memory only: the question is whether it fits
     for change, alt_run in knobs.alternatives(run, plan.mesh):
-        alt = compile_step(alt_run, topology, estimate=False)
+        try:
+            alt = compile_(alt_run, topology.name, topology.num_slices, False)
+        except CompilerCrash as crash:
+            rows.append([change, f"compiler crashed: {crash}", "", "-"])
+            out.append({"change": change, "compiler_crash": str(crash)})
+            continue
         ok = report.fits(alt, hbm)
         rows.append([change, f"{alt.total_bytes / GiB:.2f}",
                      f"{(alt.total_bytes - plan.total_bytes) / GiB:+.2f}",
@@ -109,21 +118,31 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
     print(f"topology {topology.describe()}; config {args.config}")
     results, plans, floors = [], [], []
-    for variant in variant_names(args.variants, base.model.residual):
-        run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
-        step_plan = compile_step(run, topology, estimate=not args.no_estimate)
-        floor = floor_for_plan(run.model, run.train.batch_size, run.train.seq_len,
-                               run.train.grad_accum, step_plan.mesh)
-        plans.append(step_plan)
-        floors.append(floor)
-        print(report.describe(step_plan, hbm, peak, floor), flush=True)
-        entry = {"topology": topology.name, "num_slices": topology.num_slices,
-                 **report.to_dict(step_plan, hbm, peak),
-                 "routing_floor": None if floor is None else floor.to_dict()}
-        if report.fits(step_plan, hbm) is False and not args.no_suggest:
-            entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak)
-        results.append(entry)
-    if len(plans) > 1 or args.markdown:
+    with Worker(compile_named) as compile_:
+        for variant in variant_names(args.variants, base.model.residual):
+            run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
+            entry = {"topology": topology.name, "num_slices": topology.num_slices}
+            try:
+                step_plan = compile_(run, topology.name, topology.num_slices,
+                                     not args.no_estimate)
+            except CompilerCrash as crash:
+                print(f"{variant}: not planned, the compiler crashed ({crash}); the same step "
+                      "may compile with other settings (remat, grad_accum, "
+                      "train.loss_vocab_chunks)", flush=True)
+                results.append({**entry, "variant": variant, "fits": None,
+                                "compiler_crash": str(crash)})
+                continue
+            floor = floor_for_plan(run.model, run.train.batch_size, run.train.seq_len,
+                                   run.train.grad_accum, step_plan.mesh)
+            plans.append(step_plan)
+            floors.append(floor)
+            print(report.describe(step_plan, hbm, peak, floor), flush=True)
+            entry.update(**report.to_dict(step_plan, hbm, peak),
+                         routing_floor=None if floor is None else floor.to_dict())
+            if report.fits(step_plan, hbm) is False and not args.no_suggest:
+                entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak, compile_)
+            results.append(entry)
+    if len(plans) > 1 or (plans and args.markdown):
         print()
         print(report.variants_table(plans, hbm, markdown=args.markdown))
     floor_table = report.floors_table(plans, floors, markdown=args.markdown)
@@ -143,7 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PlanError, ValueError, FileNotFoundError) as err:
         print(f"python -m delta_jax.plan: error: {err}", file=sys.stderr)
         return 2
-    return 1 if any(r["fits"] is False for r in results) else 0
+    if any(r["fits"] is False for r in results):
+        return 1
+    return 3 if any("compiler_crash" in r for r in results) else 0
 
 
 if __name__ == "__main__":

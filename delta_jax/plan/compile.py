@@ -19,6 +19,7 @@ are always the real program's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -31,7 +32,7 @@ from jax.sharding import AxisType, Mesh
 
 from delta_jax.config import ModelConfig
 from delta_jax.data.pipeline import batch_keys
-from delta_jax.plan.topology import PlanError, Topology
+from delta_jax.plan.topology import PlanError, Topology, resolve
 from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
 from delta_jax.train.config import RunConfig
 from delta_jax.train.metrics import train_flops_per_token
@@ -198,6 +199,19 @@ def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> S
         return memory_plan  # the twin alone exceeds HBM: no estimate
     return dataclasses.replace(memory_plan, **cost,
                                compile_s=memory_plan.compile_s + time.perf_counter() - start)
+
+
+@functools.cache
+def resolved(name: str, num_slices: int = 1) -> Topology:
+    """resolve(name, num_slices), once per process."""
+    return resolve(name, num_slices)
+
+
+def compile_named(run: RunConfig, topology_name: str, num_slices: int = 1,
+                  estimate: bool = True) -> StepPlan:
+    """compile_step for the topology called `topology_name`: what a plan/isolated.py Worker
+    runs in its child process (a Topology holds devices, which do not pickle)."""
+    return compile_step(run, resolved(topology_name, num_slices), estimate)
 
 
 def state_bytes(run: RunConfig, topology: Topology) -> int:

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
 
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.chips import SLICES, chip  # noqa: E402
-from delta_jax.plan.compile import StepPlan, compile_step, state_bytes  # noqa: E402
+from delta_jax.plan.compile import StepPlan, compile_named, resolved, state_bytes  # noqa: E402
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
-from delta_jax.plan.topology import PlanError, resolve  # noqa: E402
+from delta_jax.plan.topology import PlanError  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
 
 GiB = 2**30
@@ -52,14 +51,9 @@ def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
         accum *= 2
 
 
-@cache
-def _topology(name: str):
-    return resolve(name)
-
-
 def memory_plan(run: RunConfig, topology_name: str) -> StepPlan:
     """The candidate's compiled memory (what a Worker runs in its child process)."""
-    return compile_step(run, _topology(topology_name), estimate=False)
+    return compile_named(run, topology_name, estimate=False)
 
 
 def _knobs(run: RunConfig) -> str:
@@ -75,7 +69,7 @@ def smallest_fit(run: RunConfig, chip_name: str,
     Candidates on which `compile_memory` raises CompilerCrash are listed under "crashed"."""
     crashed = []
     for shape in SLICES[chip_name]:
-        topology = _topology(f"{chip_name}:{shape}")
+        topology = resolved(f"{chip_name}:{shape}")
         hbm = topology.hbm_per_device
         tried = list(candidates(run, topology.num_devices))
         if not tried or state_bytes(tried[0], topology) > hbm:
