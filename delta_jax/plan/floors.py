@@ -19,9 +19,11 @@ The HBM floor is one buffer on top of the baseline's: the buffer is live from th
 to the end of the backward pass, so also wherever the baseline's step peaks. Its cotangent, a
 second [S,B,T,D] array, is live only while the backward pass runs through the layers; it adds
 to the floor only where the step's peak falls there, and where that is cannot be counted
-without compiling. (At the configs' shapes it does not fall there: for delta at 1044M and 220M
-on v5p the compiler's count of the bytes live at the peak is one buffer above the baseline's;
-BENCHMARKS.md, "Per variant on v5p".)
+without compiling. (With whole logits it did not fall there at the paper's shapes: delta's
+bytes live at the peak on v5p were one buffer above the baseline's at 1044M and 220M. With the
+loss in vocabulary chunks, as the configs run, delta's step peaks in the layers' backward
+pass instead, 9.57 GiB live above the baseline at 1044M against a 2.86 GiB buffer, while
+delta_block there stays within 0.13 GiB of its floor; BENCHMARKS.md.)
 
 These are floors for the lean driver's O(S) memory with each site's share of the cotangent
 added as the backward pass reaches it, for any form that keeps every source in HBM and reads it
