@@ -22,8 +22,9 @@ to the floor only where the step's peak falls there, and where that is cannot be
 without compiling. (With whole logits it did not fall there at the paper's shapes: delta's
 bytes live at the peak on v5p were one buffer above the baseline's at 1044M and 220M. With the
 loss in vocabulary chunks, as the configs run, delta's step peaks in the layers' backward
-pass instead, 9.57 GiB live above the baseline at 1044M against a 2.86 GiB buffer, while
-delta_block there stays within 0.13 GiB of its floor; BENCHMARKS.md.)
+pass instead: at 1044M its bytes live at the peak are 5.57 GiB above the baseline's, about the
+buffer and its cotangent (2 x 2.86 GiB), while delta_block there stays within 0.13 GiB of its
+floor; BENCHMARKS.md.)
 
 These are floors for the lean driver's O(S) memory with each site's share of the cotangent
 added as the backward pass reaches it, for any form that keeps every source in HBM and reads it
