@@ -92,9 +92,13 @@ class StepPlan:
 
     @property
     def knobs(self) -> str:
-        m = self.mesh
-        return (f"remat={self.remat} grad_accum={self.grad_accum} "
-                f"mesh=data{m['data']}/fsdp{m['fsdp']}/tensor{m['tensor']}")
+        return knobs_text(self.remat, self.grad_accum, self.mesh)
+
+
+def knobs_text(remat: str, grad_accum: int, mesh: dict[str, int]) -> str:
+    """"remat=none grad_accum=1 mesh=data1/fsdp4/tensor1": a step's knobs, in one line."""
+    return (f"remat={remat} grad_accum={grad_accum} "
+            f"mesh=data{mesh['data']}/fsdp{mesh['fsdp']}/tensor{mesh['tensor']}")
 
 
 def with_variant(model: ModelConfig, variant: str) -> ModelConfig:

@@ -25,7 +25,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
 
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.chips import SLICES, chip  # noqa: E402
-from delta_jax.plan.compile import StepPlan, compile_named, resolved, state_bytes  # noqa: E402
+from delta_jax.plan.compile import (  # noqa: E402
+    StepPlan,
+    compile_named,
+    knobs_text,
+    mesh_sizes,
+    resolved,
+    state_bytes,
+)
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
@@ -56,12 +63,6 @@ def memory_plan(run: RunConfig, topology_name: str) -> StepPlan:
     return compile_named(run, topology_name, estimate=False)
 
 
-def _knobs(run: RunConfig) -> str:
-    m = run.mesh
-    return (f"remat={run.model.remat} grad_accum={run.train.grad_accum} "
-            f"mesh=data{m.data}/fsdp{m.fsdp}/tensor{m.tensor}")
-
-
 def smallest_fit(run: RunConfig, chip_name: str,
                  compile_memory: Callable[[RunConfig, str], StepPlan] = memory_plan
                  ) -> dict[str, Any]:
@@ -78,9 +79,11 @@ def smallest_fit(run: RunConfig, chip_name: str,
             try:
                 plan = compile_memory(candidate, topology.name)
             except CompilerCrash as crash:
-                print(f"  {topology.name}: {_knobs(candidate)}: skipped, the compiler crashed "
+                tried_knobs = knobs_text(candidate.model.remat, candidate.train.grad_accum,
+                                         mesh_sizes(candidate, topology.num_devices))
+                print(f"  {topology.name}: {tried_knobs}: skipped, the compiler crashed "
                       f"({crash})", file=sys.stderr, flush=True)
-                crashed.append(f"{topology.name} {_knobs(candidate)}")
+                crashed.append(f"{topology.name} {tried_knobs}")
                 continue
             print(f"  {topology.name}: {plan.knobs}: {plan.total_bytes / GiB:.1f} GiB of "
                   f"{hbm / GiB:.1f}", file=sys.stderr, flush=True)
