@@ -10,11 +10,13 @@ lean backward pass accumulate their cotangents in place instead of copying the b
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -151,26 +153,50 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     """Delta Block (docs/spec.md section 3): at a block boundary the stream's change since
     the previous source is committed (block_sources "reference": h - S[-1]; "paper":
     h - sum(S)); the attention site routes before that write, the MLP site after it."""
-    write = _writer(layer, carry.buffer)
     h, slot, buffer = carry.state.h, row.first_write, carry.buffer
     x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h, 2 * row.layer)
     a, cache = layer.attention(x, ctx)
-    committed = None
-    if row.starts_block is not False:
-        # Unwritten slots are zero in the forward pass, so both rules give h itself for the
-        # first block; the masks keep them right over the final buffer in the lean backward.
-        if layer.cfg.block_sources == "reference":
-            previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
-                buffer.values, jnp.maximum(slot - 1, 0), keepdims=False), 0)
-        else:
-            before = jnp.arange(buffer.values.shape[0]) < slot
-            previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
-        committed = _block_write(write, h - previous.astype(h.dtype), slot, row)
+    committed, mlp_visible = None, slot
+    if row.write_hoisted:  # the block's source is in the buffer already
+        mlp_visible = slot + row.boundary.astype(np.int32)
+    elif row.starts_block is not False:
+        committed = _block_write(_writer(layer, buffer),
+                                 delta_block_source(layer.cfg, buffer, h, slot), slot, row)
     h = h + a
-    x, w_mlp = additive_input(layer.mlp_site, buffer, slot, h, 2 * row.layer + 1,
+    x, w_mlp = additive_input(layer.mlp_site, buffer, mlp_visible, h, 2 * row.layer + 1,
                               fresh=committed)
     return LayerOutput(TokenState(h + layer.feed_forward(x)), _written(committed),
                        (w_attn, w_mlp), cache)
+
+
+def delta_block_source(cfg, buffer: SourceBuffer, h: jax.Array, slot) -> jax.Array:
+    """The source a delta_block layer commits at a block boundary into `slot`: the stream's
+    change since the previous source ("reference": h - S[slot-1]; "paper": h - sum(S[:slot]))."""
+    # Unwritten slots are zero in the forward pass, so both rules give h itself for the first
+    # block; the masks keep them right over the final buffer in the lean backward pass.
+    if cfg.block_sources == "reference":
+        previous = jnp.where(slot > 0, jax.lax.dynamic_index_in_dim(
+            buffer.values, jnp.maximum(slot - 1, 0), keepdims=False), 0)
+    else:
+        before = jnp.arange(buffer.values.shape[0]) < slot
+        previous = jnp.sum(jnp.where(before[:, None, None, None], buffer.values, 0), axis=0)
+    return h - previous.astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class HoistedBlockWrite:
+    """The write of a delta_block layer that starts a block, made by the lean driver before the
+    layer runs (hoist_block_writes): its source depends only on the layer's input state and the
+    buffer. In two parts for the backward pass: `source` is linear in the state and the buffer,
+    and `write` needs only the source, which the backward pass reads back from its slot."""
+    cfg: object
+
+    def source(self, carry: Carry, row: ScheduleRow) -> jax.Array:
+        return delta_block_source(self.cfg, carry.buffer, carry.state.h, row.first_write)
+
+    def write(self, value: jax.Array, row: ScheduleRow, buffer: SourceBuffer) -> Write:
+        return Write.of(value, row.first_write, self.cfg.rms_norm_eps,
+                        dtype=buffer.values.dtype, site_queries=buffer.site_queries)
 
 
 def _block_write(write: Callable[..., Write], value: jax.Array, slot, row: ScheduleRow

@@ -9,7 +9,9 @@
   memory, at the cost of one extra forward (the same as full remat). With `segments` > 1 it
   runs the layers as consecutive loops over growing buffer prefixes (buffer_spans). With `peel`
   its backward pass takes a block's first layer out of the loop over the block (block_runs), so
-  the block's other layers know statically that they write nothing.
+  the block's other layers know statically that they write nothing. With `hoist` (delta_block)
+  a loop that is one block's first layers gets the block's source committed before it, and no
+  layer in it writes at all (hoistable).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
@@ -51,8 +53,9 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
 
 
 def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False):
-    del segments, peel  # one loop: its per-layer routing weights are padded to the whole buffer
+             segments: int = 1, peel: bool = False, hoist=None):
+    # One loop: its per-layer routing weights are padded to the whole buffer.
+    del segments, peel, hoist
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -61,9 +64,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
 
 
 def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
-                 segments: int = 1, peel: bool = False):
+                 segments: int = 1, peel: bool = False, hoist=None):
     # Always unrolled, always over the whole buffer (the reference path); its rows are static.
-    del unroll, segments, peel
+    del unroll, segments, peel, hoist
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -91,6 +94,13 @@ def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple
     edges = [round(k * num_layers / count) for k in range(count + 1)]
     return [(a, b, num_slots if b == num_layers else int(rows.first_write[b]))
             for a, b in zip(edges, edges[1:])]
+
+
+def hoistable(rows: ScheduleRow, start: int, end: int) -> bool:
+    """Whether layers [start, end) are one block's first layers: a block starts at `start` and
+    no other does before `end`, so its write can be made before the loop (hoist_block_writes)."""
+    boundary = np.asarray(rows.boundary)[start:end]
+    return bool(boundary[0]) and not boundary[1:].any()
 
 
 def block_runs(rows: ScheduleRow, start: int, end: int) -> list[tuple[int, int]]:
@@ -122,8 +132,32 @@ def _over_layers(body, carry, xs, start: int, end: int, *, reverse: bool = False
                         unroll=unroll)
 
 
+def _hoisted_write_backward(hoist, row: ScheduleRow, cotangent: Carry,
+                            final_buffer: SourceBuffer, unroll: bool) -> Carry:
+    """The cotangent before a hoisted write (run_lean's `hoist`), from the one after it. Slots
+    are written once, so the final buffer holds what the write read and the source it wrote;
+    the source's map from the state and the buffer is linear and needs neither (the loop's
+    saved states are not kept for it)."""
+    if not unroll:  # recompute the write once the loop after it is done, not earlier
+        cotangent, final_buffer = jax.lax.optimization_barrier((cotangent, final_buffer))
+
+    def fields(value, buffer):
+        write = hoist.write(value, row, buffer)
+        return write.value, write.inv_rms, write.logits
+
+    value = final_buffer.slot(row.first_write)[0]
+    _, write_vjp = jax.vjp(fields, value, final_buffer)
+    d_value, d_queries = write_vjp(_written_cotangent(cotangent.buffer, row.first_write, None))
+    # Linear: its transpose is the same at any point, so evaluate it at a zero state.
+    _, source_vjp = jax.vjp(lambda state, buffer: hoist.source(Carry(state, buffer), row),
+                            jax.tree.map(jnp.zeros_like, cotangent.state), final_buffer)
+    d_state, d_buffer = source_vjp(d_value)
+    d_buffer = jax.tree.map(jnp.add, d_buffer, d_queries)
+    return jax.tree.map(jnp.add, cotangent, Carry(d_state, d_buffer))
+
+
 def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False):
+             segments: int = 1, peel: bool = False, hoist=None):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
     layer by layer (the same program without while loops, for XLA's cost analysis).
@@ -134,20 +168,35 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     prefix between loops and one loop body to compile per segment.
 
     `peel` runs the backward pass of a segment that starts a block as its first layer, then a
-    loop over the block's others (block_runs)."""
+    loop over the block's others (block_runs).
+
+    `hoist` (delta_block with hoist_block_writes, decoder.HoistedBlockWrite): a segment that is
+    one block's first layers (hoistable) gets that block's source committed before its loop,
+    so that no layer inside the loop computes a write to mask out (ScheduleRow.write_hoisted);
+    the backward pass adds the write's cotangent to the segment's input after the loop."""
     spans = buffer_spans(rows, carry.buffer.num_slots, segments)
+    hoisted = {start for start, end, _ in spans
+               if hoist is not None and hoistable(rows, start, end)}
+
+    def row_at(index, within):
+        row = rows.at(index, within=within)
+        return row.replace(write_hoisted=within[0] in hoisted)
 
     def layer(inputs_l, c, index, within):
-        return _advance(step, inputs_l, c, rows.at(index, within=within))[0]
+        return _advance(step, inputs_l, c, row_at(index, within))[0]
 
     def run_forward(inputs, carry: Carry, keep_states: bool):
         state_inputs = []
         for start, end, length in spans:
+            if start in hoisted:
+                row = rows.at(start)
+                write = hoist.write(hoist.source(carry, row), row, carry.buffer)
+                carry = carry.replace(buffer=carry.buffer.commit((write,)))
+            span_carry = Carry(carry.state, carry.buffer.prefix(length))
             part, states = _over_layers(
                 lambda c, xs, within=(start, end): (
                     layer(xs[0], c, xs[1], within), c.state if keep_states else None),
-                Carry(carry.state, carry.buffer.prefix(length)), _layer_range(inputs, start, end),
-                start, end, unroll=unroll)
+                span_carry, _layer_range(inputs, start, end), start, end, unroll=unroll)
             carry = Carry(part.state, carry.buffer.with_prefix(part.buffer))
             state_inputs.append(states)
         return carry, state_inputs
@@ -166,7 +215,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
         def run_body(final_buffer: SourceBuffer, within: tuple[int, int]):
             def body(cotangent: Carry, xs):
                 (inputs_l, state_in), index = xs
-                row = rows.at(index, within=within)
+                row = row_at(index, within)
                 if within[1] - within[0] == 1:
                     # Outside a loop nothing orders the layer's recompute after the cotangent
                     # that reaches it: XLA would start it early and hold its saved activations
@@ -220,8 +269,8 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                                                           reversed(state_inputs)):
             part, final_prefix = (Carry(d_state, d_buffer.prefix(length)),
                                   final_buffer.prefix(length))
-            span_runs = (block_runs(rows, span_start, span_end) if peel
-                         else [(span_start, span_end)])
+            span_runs = (block_runs(rows, span_start, span_end)
+                         if peel and span_start not in hoisted else [(span_start, span_end)])
             for start, end in reversed(span_runs):
                 part, d_part = _over_layers(
                     run_body(final_prefix, (start, end)), part,
@@ -229,6 +278,9 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                      _layer_range(states, start - span_start, end - span_start)), start, end,
                     reverse=True, unroll=unroll)
                 d_inputs.insert(0, d_part)
+            if span_start in hoisted:
+                part = _hoisted_write_backward(hoist, rows.at(span_start), part, final_prefix,
+                                               unroll)
             d_state, d_buffer, final_buffer = part.state, part.buffer, final_prefix
             if not unroll:
                 d_buffer, final_buffer = jax.lax.optimization_barrier((d_buffer, final_buffer))

@@ -174,12 +174,16 @@ class ScheduleRow:
                   the row stands for, None when only the traced `boundary` says. A block
                   variant's layer that knows it starts no block then writes nothing at all
                   instead of computing a write and masking it out.
+    write_hoisted: static; True where the driver has already committed the block source a
+                  layer starting a block would write (delta_block, hoist_block_writes): the
+                  layer writes nothing, and its MLP site reads that source from the buffer.
     """
     layer: Any
     first_write: Any
     attn_visible: Any
     boundary: Any
     starts_block: bool | None = struct.field(pytree_node=False, default=None)
+    write_hoisted: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def num_layers(self) -> int:
