@@ -14,6 +14,11 @@ TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.intermediate_size=64", "model.num_blocks=2", "model.dtype=bfloat16",
         "model.remat=none", "train.batch_size=8", "train.seq_len=16"]
 CONFIG = ["--config", "configs/220m.yaml"]
+# Big enough for the v5p compiler to lay routing out as it would at scale, small enough to
+# compile in seconds.
+SMALL_V5P = ["model.vocab_size=1024", "model.hidden_size=256", "model.num_layers=8",
+             "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64",
+             "model.intermediate_size=512", "train.batch_size=16", "train.seq_len=512"]
 
 
 def _has_libtpu() -> bool:
@@ -287,10 +292,7 @@ def test_more_layer_loops_do_not_cost_delta_memory_on_v5p():
     # loops held 36% more temporaries than one at this shape (0.162 against 0.119 GiB).
     from delta_jax.plan.compile import compile_named
 
-    small = ["model.vocab_size=1024", "model.hidden_size=256", "model.num_layers=8",
-             "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64",
-             "model.intermediate_size=512", "model.num_blocks=2", "model.residual=delta",
-             "train.batch_size=16", "train.seq_len=512"]
+    small = [*SMALL_V5P, "model.num_blocks=2", "model.residual=delta"]
     temp = {loops: compile_named(load_config("configs/220m.yaml",
                                              [*small, f"model.buffer_segments={loops}"]),
                                  "v5p:2x2x1", estimate=False).temp_bytes
@@ -305,10 +307,8 @@ def test_hoisted_block_writes_cost_delta_block_less_on_v5p():
     # estimated step went from 1.061x to 1.034x of the baseline's, BENCHMARKS.md).
     from delta_jax.plan.compile import compile_named
 
-    small = ["model.vocab_size=1024", "model.hidden_size=256", "model.num_layers=8",
-             "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64",
-             "model.intermediate_size=512", "model.num_blocks=4", "model.buffer_segments=4",
-             "model.residual=delta_block", "train.batch_size=16", "train.seq_len=512"]
+    small = [*SMALL_V5P, "model.num_blocks=4", "model.buffer_segments=4",
+             "model.residual=delta_block"]
     plans = {hoist: compile_named(load_config("configs/220m.yaml",
                                               [*small, f"model.hoist_block_writes={hoist}"]),
                                   "v5p:2x2x1")

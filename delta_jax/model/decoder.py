@@ -82,10 +82,10 @@ def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: ja
                            "routed_input"), weights
 
 
-def _writer(layer: DecoderLayer, buffer: SourceBuffer) -> Callable[..., Write]:
-    """Write.of for this layer's sources: the buffer's dtype, and the logits at every site when
-    the buffer holds them (routing_logits="write")."""
-    return functools.partial(Write.of, eps=layer.cfg.rms_norm_eps, dtype=buffer.values.dtype,
+def _writer(cfg, buffer: SourceBuffer) -> Callable[..., Write]:
+    """Write.of for a layer's sources: the config's eps, the buffer's dtype, and the logits at
+    every site when the buffer holds them (routing_logits="write")."""
+    return functools.partial(Write.of, eps=cfg.rms_norm_eps, dtype=buffer.values.dtype,
                              site_queries=buffer.site_queries)
 
 
@@ -110,7 +110,7 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     section 6), which every site's gate starts from.
     """
     full = layer.cfg.residual == "full"
-    write = _writer(layer, carry.buffer)
+    write = _writer(layer.cfg, carry.buffer)
     h, stream, slot = carry.state.h, carry.state.stream, row.first_write
     x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream,
                                   2 * row.layer)
@@ -135,7 +135,7 @@ def delta_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
                 ctx: LayerContext) -> LayerOutput:
     """Delta AttnRes (docs/spec.md section 3): every sublayer output is a source, and each
     sublayer reads h + the routed mix; the embedding is source 0, written before the loop."""
-    write = _writer(layer, carry.buffer)
+    write = _writer(layer.cfg, carry.buffer)
     h, slot = carry.state.h, row.first_write
     x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h, 2 * row.layer)
     a, cache = layer.attention(x, ctx)
@@ -160,7 +160,7 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     if row.write_hoisted:  # the block's source is in the buffer already
         mlp_visible = slot + row.boundary.astype(np.int32)
     elif row.starts_block is not False:
-        committed = _block_write(_writer(layer, buffer),
+        committed = _block_write(_writer(layer.cfg, buffer),
                                  delta_block_source(layer.cfg, buffer, h, slot), slot, row)
     h = h + a
     x, w_mlp = additive_input(layer.mlp_site, buffer, mlp_visible, h, 2 * row.layer + 1,
@@ -195,8 +195,7 @@ class HoistedBlockWrite:
         return delta_block_source(self.cfg, carry.buffer, carry.state.h, row.first_write)
 
     def write(self, value: jax.Array, row: ScheduleRow, buffer: SourceBuffer) -> Write:
-        return Write.of(value, row.first_write, self.cfg.rms_norm_eps,
-                        dtype=buffer.values.dtype, site_queries=buffer.site_queries)
+        return _writer(self.cfg, buffer)(value, row.first_write)
 
 
 def _block_write(write: Callable[..., Write], value: jax.Array, slot, row: ScheduleRow
