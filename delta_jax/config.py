@@ -79,7 +79,7 @@ class ModelConfig:
     # delta_block with the lean driver: where a layer loop (buffer_segments) begins at a block
     # boundary and holds no other, the driver commits the block's source before the loop, so no
     # layer inside it computes a write to mask out (delta_jax/model/drivers.py). v5p estimate
-    # at 1044M: 1.061x -> 1.034x the baseline's step for 12.01 -> 12.12 GiB a chip.
+    # at 1044M: 1.061x -> 1.034x the baseline's step (12.01 -> 12.12 GiB a chip then; 11.83 now).
     hoist_block_writes: bool = False
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
