@@ -97,15 +97,20 @@ class RoutingSite(nnx.Module):
         null_weight, weights = ((weights[0], weights[1:]) if self.null is not None
                                 else (None, weights))
         slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
+        outside_terms = tuple((weight, value) for (value, _, _), weight
+                              in zip(outside, outside_weights))
         if buffer_mix is not None:  # sum_n alpha_n s_n = (sum_n alpha_n) * softmax-mix of slots
             mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
+        elif null_weight is None:  # in float32, with a backward pass of its own
+            mix = weighted_sum(slot_weights.astype(buffer.dtype), buffer, outside_terms)
         else:
             mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
                              preferred_element_type=jnp.float32)
         if null_weight is not None:
             mix = mix + null_weight[..., None] * null
-        for (value, _, _), weight in zip(outside, outside_weights):
-            mix = mix + weight[..., None] * value.astype(jnp.float32)
+        if buffer_mix is not None or null_weight is not None:
+            for weight, value in outside_terms:
+                mix = mix + weight[..., None] * value.astype(jnp.float32)
         if fresh is not None:  # report the fresh source at the slot it is being written to
             slot_weights = (slot_weights
                             + jax.nn.one_hot(num_valid, num_slots)[:, None, None]
@@ -133,6 +138,38 @@ class RoutingSite(nnx.Module):
             return routed
         a = self.gate[...].astype(routed.dtype)
         return (1 - a) * base + a * routed
+
+
+@jax.custom_vjp
+def weighted_sum(weights: jax.Array, values: jax.Array, outside: tuple = ()) -> jax.Array:
+    """sum_s weights[s] * values[s] + sum of w * v over the (w [B,T] float32, v [B,T,D]) pairs
+    in `outside`: [S,B,T] and [S,B,T,D] -> [B,T,D], summed in float32 and rounded once to values'
+    dtype. Autodiff gives the same gradient (up to the order of its float32 sums) but takes the
+    cotangent through the float32 sum, and in bfloat16 runs XLA then writes a float32 copy of
+    every site's mix cotangent; here it stays in values' dtype."""
+    mix = jnp.einsum("sbt,sbtd->btd", weights, values, preferred_element_type=jnp.float32)
+    for weight, value in outside:
+        mix = mix + weight[..., None] * value.astype(jnp.float32)
+    return mix.astype(values.dtype)
+
+
+def _weighted_sum_forward(weights, values, outside):
+    return weighted_sum(weights, values, outside), (weights, values, outside)
+
+
+def _weighted_sum_backward(residuals, cotangent):
+    weights, values, outside = residuals
+    d_weights = jnp.einsum("btd,sbtd->sbt", cotangent, values, preferred_element_type=jnp.float32)
+    d_values = weights[..., None].astype(values.dtype) * cotangent[None].astype(values.dtype)
+    d_outside = tuple(
+        (jnp.einsum("btd,btd->bt", cotangent, value, preferred_element_type=jnp.float32
+                    ).astype(weight.dtype),
+         (weight[..., None] * cotangent.astype(jnp.float32)).astype(value.dtype))
+        for weight, value in outside)
+    return d_weights.astype(weights.dtype), d_values, d_outside
+
+
+weighted_sum.defvjp(_weighted_sum_forward, _weighted_sum_backward)
 
 
 def masked_softmax(logits: jax.Array, valid: jax.Array) -> jax.Array:
