@@ -12,9 +12,9 @@ from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
 from delta_jax.model.drivers import block_runs, buffer_spans, hoistable, with_remat
-from delta_jax.model.layers import rope_tables
+from delta_jax.model.layers import inverse_rms, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
-from delta_jax.model.routing import weighted_sum
+from delta_jax.model.routing import RoutingSite, weighted_sum
 from delta_jax.model.schedule import schedule
 from reference_forward import reference_forward
 
@@ -152,6 +152,39 @@ def test_weighted_sum_has_autodiffs_gradient(dtype, tolerance):
         assert mine.dtype == autodiffs.dtype
         assert _relative_error(autodiffs.astype(jnp.float32),
                                mine.astype(jnp.float32)) < tolerance
+
+
+@pytest.mark.parametrize("num_valid", [0, 1, "traced"])
+def test_a_site_over_one_slot_is_the_softmax_over_one_source(num_valid):
+    """Over a one-slot buffer (delta_block's first lean loop) a site skips the logit and the
+    sum: its mix, weights and gradients are those of the full softmax path over a two-slot
+    buffer that masks the second slot, to the bit (a softmax over one source is exactly 1)."""
+    cfg = ModelConfig.tiny(residual="delta_block", num_layers=2, num_blocks=2)
+    keys = jax.random.split(jax.random.key(1), 4)
+    site = RoutingSite(cfg, nnx.Rngs(3))
+    site.query[...] = jax.random.normal(keys[0], site.query.shape)
+    site.norm[...] = 1 + jax.random.normal(keys[1], site.norm.shape)
+    graphdef, params = nnx.split(site)
+    values = jax.random.normal(keys[2], (2, 2, 5, cfg.hidden_size))
+    cotangent = jax.random.normal(keys[3], (2, 5, cfg.hidden_size))
+
+    def route(params, values, count):
+        site = nnx.merge(graphdef, params)
+        buffer = SourceBuffer(values, inverse_rms(values, cfg.rms_norm_eps))
+        return site(buffer, count)
+
+    def mix_and_gradient(slots):
+        run = jax.jit(route) if num_valid == "traced" else route
+        count = jnp.int32(1) if num_valid == "traced" else num_valid
+        (mix, weights), pullback = jax.vjp(lambda p, v: run(p, v, count), params,
+                                           values[:slots])
+        d_params, d_values = pullback((cotangent, jnp.zeros_like(weights)))
+        return mix, weights[:1], d_params, d_values[:1]
+
+    one, full = mix_and_gradient(1), mix_and_gradient(2)
+    for ours, softmax in zip(jax.tree.leaves(one), jax.tree.leaves(full)):
+        np.testing.assert_array_equal(ours, softmax)
+    assert float(jnp.abs(one[1]).max()) == (0.0 if num_valid == 0 else 1.0)
 
 
 def _set_gates(model: CausalLM, value: float) -> CausalLM:

@@ -60,8 +60,10 @@ class RoutingSite(nnx.Module):
         final buffer): they are masked out of the softmax and get no gradient.
         """
         buffer, inv_rms = sources.values, sources.inv_rms
-        wg = self.query_direction()
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
+        if num_slots == 1 and fresh is None and live is None and self.null is None:
+            return self._one_slot(buffer, num_valid)
+        wg = self.query_direction()
         precomputed, buffer_mix = sources.site_logits is not None, None
         if precomputed:
             if site is None:
@@ -99,18 +101,17 @@ class RoutingSite(nnx.Module):
         slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
         outside_terms = tuple((weight, value) for (value, _, _), weight
                               in zip(outside, outside_weights))
-        if buffer_mix is not None:  # sum_n alpha_n s_n = (sum_n alpha_n) * softmax-mix of slots
-            mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
-        elif null_weight is None:  # in float32, with a backward pass of its own
+        if buffer_mix is None and null_weight is None:  # with a backward pass of its own
             mix = weighted_sum(slot_weights.astype(buffer.dtype), buffer, outside_terms)
         else:
-            mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
-                             preferred_element_type=jnp.float32)
-        if null_weight is not None:
-            mix = mix + null_weight[..., None] * null
-        if buffer_mix is not None or null_weight is not None:
-            for weight, value in outside_terms:
-                mix = mix + weight[..., None] * value.astype(jnp.float32)
+            if buffer_mix is not None:  # sum_n alpha_n s_n = (sum_n alpha_n) * the slots' mix
+                mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
+            else:
+                mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
+                                 preferred_element_type=jnp.float32)
+            if null_weight is not None:
+                mix = mix + null_weight[..., None] * null
+            mix = _add_weighted(mix, outside_terms)
         if fresh is not None:  # report the fresh source at the slot it is being written to
             slot_weights = (slot_weights
                             + jax.nn.one_hot(num_valid, num_slots)[:, None, None]
@@ -120,6 +121,17 @@ class RoutingSite(nnx.Module):
         if live is not None:
             padded.append(outside_weights[-1:])
         return mix.astype(buffer.dtype), jnp.concatenate(padded)
+
+    @staticmethod
+    def _one_slot(buffer: jax.Array, num_valid) -> tuple[jax.Array, jax.Array]:
+        """A site whose only possible source is the buffer's one slot (a lean loop over the
+        first slot, as delta_block's first block runs): the softmax over one source is exactly
+        1, so the mix is the slot itself, or zero where the site sees no slot, and the query
+        gets no gradient from it, as through the softmax (p * (g - p * g) = 0). Forming the
+        logit and the sum would read the slot twice more in each pass."""
+        seen = jnp.asarray(num_valid) > 0
+        weights = jnp.broadcast_to(seen.astype(jnp.float32), buffer.shape[:3])
+        return jnp.where(seen, buffer[0], jnp.zeros_like(buffer[0])), weights
 
     def query_direction(self) -> jax.Array:
         """w*g [D] float32: the query folded into the sources' RMSNorm weight, so a source's
@@ -148,9 +160,14 @@ def weighted_sum(weights: jax.Array, values: jax.Array, outside: tuple = ()) -> 
     cotangent through the float32 sum, and in bfloat16 runs XLA then writes a float32 copy of
     every site's mix cotangent; here it stays in values' dtype."""
     mix = jnp.einsum("sbt,sbtd->btd", weights, values, preferred_element_type=jnp.float32)
-    for weight, value in outside:
+    return _add_weighted(mix, outside).astype(values.dtype)
+
+
+def _add_weighted(mix: jax.Array, terms) -> jax.Array:
+    """mix [B,T,D] float32 + w * v, in float32, for each (w [B,T] float32, v [B,T,D]) term."""
+    for weight, value in terms:
         mix = mix + weight[..., None] * value.astype(jnp.float32)
-    return mix.astype(values.dtype)
+    return mix
 
 
 def _weighted_sum_forward(weights, values, outside):
