@@ -176,7 +176,12 @@ def _weighted_sum_forward(weights, values, outside):
 
 def _weighted_sum_backward(residuals, cotangent):
     weights, values, outside = residuals
-    d_weights = jnp.einsum("btd,sbtd->sbt", cotangent, values, preferred_element_type=jnp.float32)
+    # One product per slot: as one "btd,sbtd->sbt" einsum XLA broadcasts the cotangent over
+    # the slots and writes a float32 copy of it for the product to read (v5p, 220M
+    # delta_block: 0.28338 -> 0.28176 s estimated).
+    d_weights = (jnp.stack([jnp.einsum("btd,btd->bt", cotangent, value,
+                                       preferred_element_type=jnp.float32) for value in values])
+                 if len(values) else jnp.zeros(values.shape[:3], jnp.float32))
     d_values = weights[..., None].astype(values.dtype) * cotangent[None].astype(values.dtype)
     d_outside = tuple(
         (jnp.einsum("btd,btd->bt", cotangent, value, preferred_element_type=jnp.float32

@@ -23,7 +23,7 @@ without compiling. (With whole logits it did not fall there at the paper's shape
 bytes live at the peak on v5p were one buffer above the baseline's at 1044M and 220M. With the
 loss in vocabulary chunks, as the configs run, delta's step peaks in the layers' backward
 pass instead: at 1044M its bytes live at the peak are 5.57 GiB above the baseline's, about the
-buffer and its cotangent (2 x 2.86 GiB), while delta_block's are 0.15 GiB above the
+buffer and its cotangent (2 x 2.86 GiB), while delta_block's are 0.03 GiB above the
 baseline's, within its one buffer (0.16 GiB); BENCHMARKS.md.)
 
 These are floors for the lean driver's O(S) memory with each site's share of the cotangent
