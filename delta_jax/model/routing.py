@@ -179,16 +179,19 @@ def _weighted_sum_backward(residuals, cotangent):
     # One product per slot: as one "btd,sbtd->sbt" einsum XLA broadcasts the cotangent over
     # the slots and writes a float32 copy of it for the product to read (v5p, 220M
     # delta_block: 0.28338 -> 0.28176 s estimated).
-    d_weights = (jnp.stack([jnp.einsum("btd,btd->bt", cotangent, value,
-                                       preferred_element_type=jnp.float32) for value in values])
-                 if len(values) else jnp.zeros(values.shape[:3], jnp.float32))
+    d_weights = (jnp.stack([_token_dot(cotangent, value) for value in values]) if len(values)
+                 else jnp.zeros(values.shape[:3], jnp.float32))
     d_values = weights[..., None].astype(values.dtype) * cotangent[None].astype(values.dtype)
     d_outside = tuple(
-        (jnp.einsum("btd,btd->bt", cotangent, value, preferred_element_type=jnp.float32
-                    ).astype(weight.dtype),
+        (_token_dot(cotangent, value).astype(weight.dtype),
          (weight[..., None] * cotangent.astype(jnp.float32)).astype(value.dtype))
         for weight, value in outside)
     return d_weights.astype(weights.dtype), d_values, d_outside
+
+
+def _token_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[B,T,D] x [B,T,D] -> [B,T] float32: each token's dot product."""
+    return jnp.einsum("btd,btd->bt", a, b, preferred_element_type=jnp.float32)
 
 
 weighted_sum.defvjp(_weighted_sum_forward, _weighted_sum_backward)
