@@ -52,6 +52,7 @@ def test_floor_bytes_follow_the_pairs_and_the_driver():
     slot = 2 * 16 * 32 * 2  # bf16 [B,T,D] of one microbatch on one device
     assert floor.slot_bytes == slot and floor.num_slots == 7 and floor.slot_reads == 17
     assert floor.buffer_bytes == 7 * (slot + 2 * 16 * 4)  # values and float32 inverse RMS
+    assert floor.cotangent_bytes == 7 * slot  # the values' cotangent, in their dtype
     assert floor.passes == LEAN_PASSES
     assert floor.traffic_bytes == 3 * (LEAN_PASSES * 17 + 2 * 7) * slot
     saving = routing_floor(dataclasses.replace(cfg, layer_driver="scan"), 2, 16)
@@ -77,14 +78,18 @@ def _plan(variant: str, total: int, accessed: float) -> StepPlan:
 
 def test_floors_table_adds_the_floor_to_the_baseline():
     gib = 2**30
-    floor = routing_floor(_config("delta", num_layers=3), 2, 16)
-    plans = [_plan("baseline", 10 * gib, 100.0 * gib), _plan("delta", 13 * gib, 140.0 * gib)]
+    # 4096 rows of 1024 tokens: 7 slots of 0.25 GiB, so the two HBM floors print apart
+    floor = routing_floor(_config("delta", num_layers=3), 4096, 1024)
+    plans = [_plan("baseline", 10 * gib, 100.0 * gib), _plan("delta", 14 * gib, 140.0 * gib)]
     table = report.floors_table(plans, [None, floor])
     hbm_floor = (10 * gib + floor.buffer_bytes) / gib
+    backward_floor = hbm_floor + floor.cotangent_bytes / gib
     bytes_floor = (100.0 * gib + floor.traffic_bytes) / gib
     (row,) = [line for line in table.splitlines() if line.startswith("delta")]
-    assert "13.00 (1.30x)" in row and "140.0 (1.40x)" in row
+    assert "14.00 (1.40x)" in row and "140.0 (1.40x)" in row
+    assert f"{hbm_floor:.2f}" == "11.86" and f"{backward_floor:.2f}" == "13.61"
     assert f"{hbm_floor:.2f} ({hbm_floor / 10:.2f}x)" in row
+    assert f"{backward_floor:.2f} ({backward_floor / 10:.2f}x)" in row
     assert f"{bytes_floor:.1f} ({bytes_floor / 100:.2f}x)" in row
     assert report.floors_table(plans[1:], [floor]) is None  # no baseline to add it to
     assert report.floors_table(plans[:1], [None]) is None  # no routing variant

@@ -17,14 +17,20 @@ read once.
 
 The HBM floor is one buffer on top of the baseline's: the buffer is live from the forward pass
 to the end of the backward pass, so also wherever the baseline's step peaks. Its cotangent, a
-second [S,B,T,D] array, is live only while the backward pass runs through the layers; it adds
-to the floor only where the step's peak falls there, and where that is cannot be counted
-without compiling. (With whole logits it did not fall there at the paper's shapes: delta's
-bytes live at the peak on v5p were one buffer above the baseline's at 1044M and 220M. With the
-loss in vocabulary chunks, as the configs run, delta's step peaks in the layers' backward
-pass instead: at 1044M its bytes live at the peak are 5.57 GiB above the baseline's, about the
-buffer and its cotangent (2 x 2.86 GiB), while delta_block's are 0.03 GiB above the
-baseline's, within its one buffer (0.16 GiB); BENCHMARKS.md.)
+second [S,B,T,D] array, is live only while the backward pass runs through the layers, all S
+slots of it in the last layers (whose sites see every slot; each slot's cotangent waits for the
+backward pass to reach the layer that wrote it). It adds to the floor only where the step
+peaks there, which cannot be counted without compiling, so the planner prints both floors.
+Which one holds is read from the compiler's live ranges (BENCHMARKS.md):
+
+- with whole logits the steps peaked in the head: delta's bytes live at the peak on v5p were
+  one buffer above the baseline's at 1044M and 220M;
+- with the loss in vocabulary chunks, as the configs run, the baseline and delta_block at
+  220M both peak in the layers' backward pass, at the attention's temporaries, which every
+  layer's backward holds alike: delta_block's bytes live there are its buffer and its
+  cotangent above the baseline's (and 0.06 GiB more), so at 220M the second floor holds;
+- at 1044M delta's bytes live at the peak are 5.57 GiB above the baseline's, about the buffer
+  and its cotangent (2 x 2.86 GiB), while delta_block's are 0.03 GiB above the baseline's.
 
 These are floors for the lean driver's O(S) memory with each site's share of the cotangent
 added as the backward pass reaches it, for any form that keeps every source in HBM and reads it
@@ -57,6 +63,7 @@ class RoutingFloor:
     num_slots: int
     slot_bytes: int  # one source [B,T,D] of one microbatch on one device
     buffer_bytes: int  # the values [S,B,T,D] and their inverse RMS [S,B,T] float32
+    cotangent_bytes: int  # the values' cotangent [S,B,T,D], live in the layers' backward pass
     slot_reads: int
     passes: int
     traffic_bytes: int  # passes * slot_reads + the slots' writes and their cotangents' reads
@@ -90,7 +97,8 @@ def routing_floor(cfg: ModelConfig, rows_per_device: int, seq_len: int,
     reads = visible_slot_reads(cfg, plan)
     per_microbatch = (passes * reads + 2 * num_slots) * slot_bytes
     return RoutingFloor(num_slots=num_slots, slot_bytes=slot_bytes,
-                        buffer_bytes=num_slots * (slot_bytes + tokens * 4), slot_reads=reads,
+                        buffer_bytes=num_slots * (slot_bytes + tokens * 4),
+                        cotangent_bytes=num_slots * slot_bytes, slot_reads=reads,
                         passes=passes, traffic_bytes=grad_accum * per_microbatch)
 
 

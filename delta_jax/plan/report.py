@@ -94,9 +94,10 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
     if floor is not None:
         lines.append(
             f"  routing floor (counted from the schedule, not compiled): a buffer of "
-            f"{floor.num_slots} sources, {_gib(floor.buffer_bytes)} above the baseline's HBM; "
-            f"reading it at least {_gib(floor.traffic_bytes)} a step ({floor.passes} passes "
-            f"over {floor.slot_reads} site-slot pairs)")
+            f"{floor.num_slots} sources, {_gib(floor.buffer_bytes)} above the baseline's HBM "
+            f"(and its cotangent, {_gib(floor.cotangent_bytes)} more, where the step peaks in "
+            f"the layers' backward pass); reading it at least {_gib(floor.traffic_bytes)} a "
+            f"step ({floor.passes} passes over {floor.slot_reads} site-slot pairs)")
     lines.append(f"  compile time {plan.compile_s:.1f} s")
     return "\n".join(lines)
 
@@ -135,24 +136,26 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
 def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None],
                  markdown: bool = False) -> str | None:
     """The routing variants against their floors, as ratios to the baseline among `plans`:
-    HBM against the baseline's plus the buffer (floors.py: its cotangent is not live at every
-    peak), bytes accessed against the baseline's plus the floor's traffic. None without a
-    baseline or a routing variant."""
+    HBM against the baseline's plus the buffer, and plus its cotangent too (the floor where the
+    step peaks in the layers' backward pass; floors.py), bytes accessed against the baseline's
+    plus the floor's traffic. None without a baseline or a routing variant."""
     base = _baseline(plans)
     pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
     if base is None or not pairs:
         return None
-    header = ["variant", "HBM/device GiB", "HBM floor GiB", "bytes accessed GiB",
-              "bytes floor GiB"]
+    header = ["variant", "HBM/device GiB", "HBM floor GiB", "peak in backward: floor GiB",
+              "bytes accessed GiB", "bytes floor GiB"]
     rows = []
     for p, f in pairs:
         hbm_floor = base.total_bytes + f.buffer_bytes
+        backward_floor = hbm_floor + f.cotangent_bytes
         bytes_floor = (None if base.bytes_accessed is None
                        else base.bytes_accessed + f.traffic_bytes)
         rows.append([
             p.variant,
             f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base.total_bytes)}",
             f"{hbm_floor / GiB:.2f}{_ratio(hbm_floor, base.total_bytes)}",
+            f"{backward_floor / GiB:.2f}{_ratio(backward_floor, base.total_bytes)}",
             "-" if p.bytes_accessed is None else
             f"{p.bytes_accessed / GiB:.1f}{_ratio(p.bytes_accessed, base.bytes_accessed)}",
             "-" if bytes_floor is None else
