@@ -1,6 +1,9 @@
 """The pre-launch planner: compiles the real step for a TPU slice (no TPU) or CPUs, judges fit."""
 import importlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -145,6 +148,19 @@ def test_tiny_model_over_a_small_hbm_override_does_not_fit(tmp_path):
                  "--no-suggest", "--json", str(out), *TINY]) == 1
     (row,) = json.loads(out.read_text())
     assert row["fits"] is False and row["total_bytes"] > 0.001 * 2**30
+
+
+def test_a_small_cpu_topology_first_leaves_the_forced_devices():
+    # jax_num_cpu_devices overrides XLA_FLAGS' device count: had cpu:1 set it to 1 in a fresh
+    # process, a later cpu:8 in that process (as in a test worker) could not have its 8.
+    code = ("from delta_jax.plan.topology import resolve; "
+            "print(len(resolve('cpu:1', 1).devices), len(resolve('cpu:8', 1).devices))")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "8"]
 
 
 @pytest.mark.parametrize("name", ["v9z:2x2", "tpu", "cpu:zero"])

@@ -83,13 +83,22 @@ def resolve(name: str, num_slices: int = 1) -> Topology:
     return _tpu(name, chip_named(match["chip"]), num_slices)
 
 
+def _forced_cpu_devices() -> int:
+    """The CPU device count XLA_FLAGS forces (--xla_force_host_platform_device_count), else 1."""
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1
+
+
 def _cpu(name: str) -> Topology:
     count = name.removeprefix("cpu:")
     if not count.isdigit() or int(count) < 1:
         raise PlanError(f"--topology {name!r} is invalid: expected cpu:N with N >= 1")
     wanted = int(count)
     try:  # only possible before jax starts its backends; afterwards, use the devices it has
-        jax.config.update("jax_num_cpu_devices", wanted)
+        # Never fewer than XLA_FLAGS asks for: the setting overrides that flag, and a later
+        # cpu:N in this process could then not have its N.
+        jax.config.update("jax_num_cpu_devices", max(wanted, _forced_cpu_devices()))
     except RuntimeError:
         pass
     devices = jax.devices("cpu")
