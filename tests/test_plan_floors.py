@@ -66,24 +66,27 @@ def test_floor_for_plan_splits_the_microbatch_over_the_batch_axes_only():
     assert split == routing_floor(cfg, rows_per_device=4, seq_len=16, grad_accum=2)
 
 
-def _plan(variant: str, total: int, accessed: float) -> StepPlan:
+def _plan(variant: str, total: int, accessed: float, live: int) -> StepPlan:
     return StepPlan(variant=variant, remat="none", layer_driver="lean",
                     mesh={"data": 1, "fsdp": 1, "tensor": 1}, batch_size=2, seq_len=16,
                     grad_accum=1, num_devices=1, params_bytes=1, opt_state_bytes=1,
                     batch_bytes=1, argument_bytes=3, output_bytes=0, alias_bytes=0,
                     temp_bytes=total - 3, code_bytes=0, total_bytes=total, flops=1.0,
                     bytes_accessed=accessed, estimated_step_s=1.0, analytic_flops=1.0,
-                    compile_s=0.0)
+                    compile_s=0.0, live_peak_bytes=live)
 
 
 def test_floors_table_adds_the_floor_to_the_baseline():
     gib = 2**30
     # 4096 rows of 1024 tokens: 7 slots of 0.25 GiB, so the two HBM floors print apart
     floor = routing_floor(_config("delta", num_layers=3), 4096, 1024)
-    plans = [_plan("baseline", 10 * gib, 100.0 * gib), _plan("delta", 14 * gib, 140.0 * gib)]
+    plans = [_plan("baseline", 10 * gib, 100.0 * gib, live=8 * gib),
+             _plan("delta", 14 * gib, 140.0 * gib, live=12 * gib)]
     table = report.floors_table(plans, [None, floor])
     hbm_floor = (10 * gib + floor.buffer_bytes) / gib
     backward_floor = hbm_floor + floor.cotangent_bytes / gib
+    live_floor = (8 * gib + floor.buffer_bytes) / gib
+    live_backward_floor = live_floor + floor.cotangent_bytes / gib
     bytes_floor = (100.0 * gib + floor.traffic_bytes) / gib
     (row,) = [line for line in table.splitlines() if line.startswith("delta")]
     assert "14.00 (1.40x)" in row and "140.0 (1.40x)" in row
@@ -91,5 +94,10 @@ def test_floors_table_adds_the_floor_to_the_baseline():
     assert f"{hbm_floor:.2f} ({hbm_floor / 10:.2f}x)" in row
     assert f"{backward_floor:.2f} ({backward_floor / 10:.2f}x)" in row
     assert f"{bytes_floor:.1f} ({bytes_floor / 100:.2f}x)" in row
+    # live at the peak, and the baseline's live peak plus the buffer, plus its cotangent too
+    assert "12.00 (1.50x)" in row
+    assert f"{live_floor:.2f}" == "9.86" and f"{live_backward_floor:.2f}" == "11.61"
+    assert f"{live_floor:.2f} ({live_floor / 8:.2f}x)" in row
+    assert f"{live_backward_floor:.2f} ({live_backward_floor / 8:.2f}x)" in row
     assert report.floors_table(plans[1:], [floor]) is None  # no baseline to add it to
     assert report.floors_table(plans[:1], [None]) is None  # no routing variant

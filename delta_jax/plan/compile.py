@@ -52,8 +52,9 @@ class StepPlan:
     model of the per-device program); analytic_flops is the model's count for the global step.
 
     When the TPU compiler itself refused the program for exceeding HBM (RESOURCE_EXHAUSTED),
-    `oom` holds its message, temp_bytes the temporaries it names, total_bytes those plus the
-    state and batch shards, and the cost fields are None.
+    `oom` holds its message and the cost fields are None. The bytes the message names are the
+    compiler's peak count, arguments included: they are live_peak_bytes and total_bytes, and
+    temp_bytes is them less the state and batch shards.
     """
     variant: str
     remat: str
@@ -81,9 +82,10 @@ class StepPlan:
     compile_s: float
     oom: str | None = None
     # memory_analysis().peak_memory_in_bytes: the compiler's count of the bytes live at once at
-    # the peak (arguments included). A diagnostic: it leaves out the packing of the temporaries
-    # and what the TPU compiler adds to them after buffer assignment (around while loops), so
-    # it can be below total_bytes, which is what a chip has to hold (BENCHMARKS.md).
+    # the peak, arguments included. It is the figure the TPU compiler holds against the chip's
+    # HBM when it accepts or refuses a program (tests/test_plan_compiler_check.py).
+    # temp_size_in_bytes counts more than the buffers live at the peak (delta's backward pass
+    # most of all), so total_bytes is an upper bound over it (BENCHMARKS.md).
     live_peak_bytes: int | None = None
 
     @property
@@ -160,12 +162,13 @@ def _bytes_per_device(tree) -> int:
 
 # The TPU compiler refuses a program that exceeds HBM, e.g. "RESOURCE_EXHAUSTED: Ran out of
 # memory on HBM, the total memory required for HLO temporaries (78.33G) exceeds available HBM
-# (15.75G)."
+# (15.75G)." The figure is the program's peak_memory_in_bytes, arguments included (checked
+# against the same program compiled for a larger chip; tests/test_plan_compiler_check.py).
 _OOM = re.compile(r"temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM")
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def _oom_temp_bytes(message: str) -> int | None:
+def _oom_peak_bytes(message: str) -> int | None:
     found = _OOM.search(message)
     return None if found is None else int(float(found[1]) * _UNIT[found[2]])
 
@@ -198,7 +201,7 @@ def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> S
     try:
         cost = _cost(compile_twin(), run.train.grad_accum)
     except jax.errors.JaxRuntimeError as e:
-        if _oom_temp_bytes(str(e)) is None:
+        if _oom_peak_bytes(str(e)) is None:
             raise
         return memory_plan  # the twin alone exceeds HBM: no estimate
     return dataclasses.replace(memory_plan, **cost,
@@ -261,16 +264,16 @@ def _compile(run: RunConfig, topology: Topology) -> StepPlan:
     try:
         compiled = compile_()
     except jax.errors.JaxRuntimeError as e:
-        temp = _oom_temp_bytes(str(e))
-        if temp is None:
+        peak = _oom_peak_bytes(str(e))
+        if peak is None:
             raise
         # No program, so no memory_analysis: the arguments are the state and batch shards.
         argument = fields["params_bytes"] + fields["opt_state_bytes"] + fields["batch_bytes"]
         return StepPlan(**fields, argument_bytes=argument, output_bytes=0, alias_bytes=0,
-                        temp_bytes=temp, code_bytes=0, total_bytes=argument + temp, flops=None,
-                        bytes_accessed=None, estimated_step_s=None,
+                        temp_bytes=max(peak - argument, 0), code_bytes=0, total_bytes=peak,
+                        flops=None, bytes_accessed=None, estimated_step_s=None,
                         compile_s=time.perf_counter() - start,
-                        oom=str(e).strip().splitlines()[0])
+                        oom=str(e).strip().splitlines()[0], live_peak_bytes=peak)
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     argument, output = memory.argument_size_in_bytes, memory.output_size_in_bytes

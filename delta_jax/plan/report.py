@@ -1,8 +1,13 @@
 """What a compiled StepPlan means for a run: does it fit, how fast would it be, and the tables.
 
-Fits: the compiler accepted the program and its peak (StepPlan.total_bytes) is within the
-device's HBM. Speed: XLA's cost model ("optimal_seconds"), an estimate from the compiled
-program, never a measurement; tokens/s and MFU follow from it and the chip's peak FLOP/s.
+Fits: the compiler accepted the program and StepPlan.total_bytes (memory_analysis's
+arguments, temporaries, outputs and code) is within the device's HBM. The TPU compiler's own
+check holds only the bytes live at the peak (live_peak_bytes) against HBM, and
+temp_size_in_bytes counts more than those (BENCHMARKS.md), so this verdict errs on the safe
+side; both figures are printed.
+
+Speed: XLA's cost model ("optimal_seconds"), an estimate from the compiled program, never a
+measurement; tokens/s and MFU follow from it and the chip's peak FLOP/s.
 """
 from __future__ import annotations
 
@@ -75,8 +80,9 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
         f"{_verdict(fits(plan, hbm), plan, hbm)}",
     ]
     if plan.live_peak_bytes:
-        lines.append(f"    (live at the peak {_gib(plan.live_peak_bytes)}: the compiler's count "
-                     "before packing; the total is what has to fit)")
+        lines.append(f"    live at the peak  {_gib(plan.live_peak_bytes)}: what the TPU compiler "
+                     "holds against HBM when it accepts or refuses the program (the total above "
+                     "counts more, so it is an upper bound)")
     if plan.oom:
         lines.append(f"    compiler: {plan.oom}")
     elif plan.flops is None:
@@ -114,8 +120,8 @@ def _ratio(value: float | None, base: float | None) -> str:
 def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False) -> str:
     """One row per plan, ratios to the baseline among them (compiled in the same process)."""
     base = _baseline(plans)
-    header = ["variant", "HBM/device GiB", "fits", "est. step s", "bytes accessed GiB",
-              "est. tokens/s", "compile s"]
+    header = ["variant", "HBM/device GiB", "live at peak GiB", "fits", "est. step s",
+              "bytes accessed GiB", "est. tokens/s", "compile s"]
     rows = []
     for p in plans:
         step = "-" if p.estimated_step_s is None else f"{p.estimated_step_s:.4f}"
@@ -125,6 +131,7 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
         rows.append([
             p.variant,
             f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base and base.total_bytes)}",
+            _live(p, base),
             "-" if ok is None else ("yes" if ok else "NO"),
             step + _ratio(p.estimated_step_s, base and base.estimated_step_s),
             accessed + _ratio(p.bytes_accessed, base and base.bytes_accessed),
@@ -133,18 +140,30 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
     return format_rows(header, rows, markdown)
 
 
+def _live(plan: StepPlan, base: StepPlan | None, extra: int = 0) -> str:
+    """plan's live peak plus `extra`, with its ratio to the baseline's live peak."""
+    if not plan.live_peak_bytes:
+        return "-"
+    live = plan.live_peak_bytes + extra
+    return f"{live / GiB:.2f}{_ratio(live, base and base.live_peak_bytes)}"
+
+
 def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None],
                  markdown: bool = False) -> str | None:
     """The routing variants against their floors, as ratios to the baseline among `plans`:
     HBM against the baseline's plus the buffer, and plus its cotangent too (the floor where the
     step peaks in the layers' backward pass; floors.py), bytes accessed against the baseline's
-    plus the floor's traffic. None without a baseline or a routing variant."""
+    plus the floor's traffic. The bytes live at the peak (what the TPU compiler checks) against
+    the baseline's plus the buffer, and plus its cotangent too. None without a baseline or a
+    routing variant."""
     base = _baseline(plans)
     pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
     if base is None or not pairs:
         return None
     header = ["variant", "HBM/device GiB", "HBM floor GiB", "peak in backward: floor GiB",
-              "bytes accessed GiB", "bytes floor GiB"]
+              "live at peak GiB", "live floor GiB", "peak in backward: live floor GiB",
+              "bytes accessed GiB",
+              "bytes floor GiB"]
     rows = []
     for p, f in pairs:
         hbm_floor = base.total_bytes + f.buffer_bytes
@@ -156,6 +175,9 @@ def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None
             f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base.total_bytes)}",
             f"{hbm_floor / GiB:.2f}{_ratio(hbm_floor, base.total_bytes)}",
             f"{backward_floor / GiB:.2f}{_ratio(backward_floor, base.total_bytes)}",
+            _live(p, base),
+            _live(base, base, f.buffer_bytes),
+            _live(base, base, f.buffer_bytes + f.cotangent_bytes),
             "-" if p.bytes_accessed is None else
             f"{p.bytes_accessed / GiB:.1f}{_ratio(p.bytes_accessed, base.bytes_accessed)}",
             "-" if bytes_floor is None else
