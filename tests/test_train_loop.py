@@ -288,3 +288,18 @@ def test_two_processes_match_one(data_dir, tmp_path):
     data_state = Path(multi) / "checkpoints" / "4" / "data"
     assert sorted(p.name for p in data_state.glob("*.json")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_the_device_peak_is_logged_beside_the_compiled_counts():
+    from delta_jax.train.loop import _compiled_memory, device_peak_text
+    x = jax.numpy.ones((256, 256))
+    compiled = jax.jit(lambda a: (a @ a).sum()).lower(x).compile()
+    total, live = _compiled_memory(compiled)
+    assert total >= x.nbytes  # its argument at least
+    gib = 2**30
+    text = device_peak_text({"peak_bytes_in_use": 3 * gib, "bytes_limit": 16 * gib},
+                            (4 * gib, 2 * gib))
+    assert text == ("device 0 peak memory in use 3.00 GiB of 16.00 (the compiled step: 4.00 GiB "
+                    "by memory_analysis, 2.00 live at the peak)")
+    assert device_peak_text(None, (4 * gib, 2 * gib)) is None  # CPUs keep no statistics
+    assert device_peak_text({"bytes_in_use": 1}, None) is None

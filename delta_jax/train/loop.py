@@ -314,6 +314,10 @@ class Trainer:
         compile_s = time.perf_counter() - began
         if self.is_main:
             logger.info("train step compiled in %.1f s", compile_s)
+            memory = _compiled_memory(compiled)
+            if memory is not None:
+                logger.info("train step memory per device: %.2f GiB by memory_analysis, %.2f "
+                            "GiB live at the peak", memory[0] / 2**30, memory[1] / 2**30)
         if start == 0:
             writer.write(0, t.steps, self.evaluate(state.params))
         window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
@@ -332,6 +336,8 @@ class Trainer:
                 fetched = jax.device_get(window)  # waits for the window's steps
                 elapsed = time.perf_counter() - window_start - paused
                 record = self._train_record(fetched, elapsed, step)
+                if first_loss is None and self.is_main:
+                    self._log_device_peak(compiled, step)
                 first_loss = float(fetched[0]["loss"]) if first_loss is None else first_loss
                 train_s += elapsed
                 window, window_start, paused = [], time.perf_counter(), 0.0
@@ -363,6 +369,15 @@ class Trainer:
         return {"steps": t.steps, "start_step": start, "compile_s": compile_s,
                 "train_s": train_s, "first_loss": first_loss,
                 "final": {**record, "step": t.steps}, "last_saved": last_saved}
+
+    @staticmethod
+    def _log_device_peak(compiled, step: int) -> None:
+        """What the device allocator saw, beside the compiler's two counts: on a TPU this tells
+        which of them the runtime needs (the planner's total is an upper bound; BENCHMARKS.md).
+        """
+        text = device_peak_text(jax.local_devices()[0].memory_stats(), _compiled_memory(compiled))
+        if text is not None:
+            logger.info("after step %d: %s", step, text)
 
     def _save(self, state: TrainState) -> None:
         self.checkpointer.save(state, self.train_iter, self.model_cfg,
@@ -459,3 +474,30 @@ def summary_table(summary: dict[str, Any]) -> str:
 def run(cfg: RunConfig) -> dict[str, Any]:
     return Trainer(cfg).run()
 
+
+def _compiled_memory(compiled) -> tuple[int, int] | None:
+    """(memory_analysis's arguments + temporaries + outputs not aliased + code, bytes live at
+    the peak) of a compiled step, per device; None where the backend reports neither."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if m is None:
+        return None
+    total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+             - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
+    return total, getattr(m, "peak_memory_in_bytes", 0)
+
+
+def device_peak_text(stats: dict | None, compiled: tuple[int, int] | None) -> str | None:
+    """One log line: the device's peak bytes in use against the compiled step's two counts;
+    None where the device keeps no statistics (CPUs)."""
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    text = f"device 0 peak memory in use {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    if "bytes_limit" in stats:
+        text += f" of {stats['bytes_limit'] / 2**30:.2f}"
+    if compiled is not None:
+        text += (f" (the compiled step: {compiled[0] / 2**30:.2f} GiB by memory_analysis, "
+                 f"{compiled[1] / 2**30:.2f} live at the peak)")
+    return text
