@@ -162,8 +162,7 @@ def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None
         return None
     header = ["variant", "HBM/device GiB", "HBM floor GiB", "peak in backward: floor GiB",
               "live at peak GiB", "live floor GiB", "peak in backward: live floor GiB",
-              "bytes accessed GiB",
-              "bytes floor GiB"]
+              "bytes accessed GiB", "bytes floor GiB"]
     rows = []
     for p, f in pairs:
         hbm_floor = base.total_bytes + f.buffer_bytes
