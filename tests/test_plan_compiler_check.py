@@ -14,8 +14,9 @@ import pytest
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from delta_jax.plan.compile import _oom_peak_bytes
-from tests.test_plan import needs_libtpu
+from delta_jax.plan.compile import _oom_peak_bytes, compile_named
+from delta_jax.train.config import load_config
+from tests.test_plan import TINY, needs_libtpu
 
 GiB = 2**30
 V5E_AVAILABLE = 15.75 * GiB  # what the compiler says a v5e chip has for a program
@@ -64,9 +65,6 @@ def test_the_compiler_accepts_by_the_live_peak_and_names_it_when_it_refuses():
 
 @needs_libtpu
 def test_a_refused_step_is_planned_at_the_figure_the_compiler_names():
-    from delta_jax.plan.compile import compile_named
-    from delta_jax.train.config import load_config
-    from tests.test_plan import TINY
     # 2M tokens a step on four v5e chips: the logits and activations alone are over HBM
     run = load_config("configs/220m.yaml", [*TINY, "train.batch_size=1024", "train.seq_len=2048"])
     plan = compile_named(run, "v5e:2x2", estimate=False)

@@ -35,7 +35,7 @@ from delta_jax.data.pipeline import batch_keys
 from delta_jax.plan.topology import PlanError, Topology, resolve
 from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
 from delta_jax.train.config import RunConfig
-from delta_jax.train.metrics import train_flops_per_token
+from delta_jax.train.metrics import memory_total_bytes, train_flops_per_token
 from delta_jax.train.optimizer import make_optimizer, schedules
 from delta_jax.train.state import (
     abstract_graph_and_params,
@@ -281,6 +281,6 @@ def _compile(run: RunConfig, topology: Topology) -> StepPlan:
     code = memory.generated_code_size_in_bytes
     return StepPlan(
         **fields, argument_bytes=argument, output_bytes=output, alias_bytes=alias,
-        temp_bytes=temp, code_bytes=code, total_bytes=argument + temp + output - alias + code,
+        temp_bytes=temp, code_bytes=code, total_bytes=memory_total_bytes(memory),
         flops=None, bytes_accessed=None, estimated_step_s=None, compile_s=compile_s,
         live_peak_bytes=getattr(memory, "peak_memory_in_bytes", None) or None)

@@ -312,9 +312,9 @@ class Trainer:
         began = time.perf_counter()
         compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
         compile_s = time.perf_counter() - began
+        memory = _compiled_memory(compiled)
         if self.is_main:
             logger.info("train step compiled in %.1f s", compile_s)
-            memory = _compiled_memory(compiled)
             if memory is not None:
                 logger.info("train step memory per device: %.2f GiB by memory_analysis, %.2f "
                             "GiB live at the peak", memory[0] / 2**30, memory[1] / 2**30)
@@ -337,7 +337,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start - paused
                 record = self._train_record(fetched, elapsed, step)
                 if first_loss is None and self.is_main:
-                    self._log_device_peak(compiled, step)
+                    self._log_device_peak(memory, step)
                 first_loss = float(fetched[0]["loss"]) if first_loss is None else first_loss
                 train_s += elapsed
                 window, window_start, paused = [], time.perf_counter(), 0.0
@@ -371,11 +371,11 @@ class Trainer:
                 "final": {**record, "step": t.steps}, "last_saved": last_saved}
 
     @staticmethod
-    def _log_device_peak(compiled, step: int) -> None:
-        """What the device allocator saw, beside the compiler's two counts: on a TPU this tells
-        which of them the runtime needs (the planner's total is an upper bound; BENCHMARKS.md).
-        """
-        text = device_peak_text(jax.local_devices()[0].memory_stats(), _compiled_memory(compiled))
+    def _log_device_peak(memory: tuple[int, int] | None, step: int) -> None:
+        """What the device allocator saw, beside the compiler's two counts (`memory`): on a TPU
+        this tells which of them the runtime needs (the planner's total is an upper bound;
+        BENCHMARKS.md)."""
+        text = device_peak_text(jax.local_devices()[0].memory_stats(), memory)
         if text is not None:
             logger.info("after step %d: %s", step, text)
 
@@ -484,9 +484,7 @@ def _compiled_memory(compiled) -> tuple[int, int] | None:
         return None
     if m is None:
         return None
-    total = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.generated_code_size_in_bytes)
-    return total, getattr(m, "peak_memory_in_bytes", 0)
+    return metrics_lib.memory_total_bytes(m), getattr(m, "peak_memory_in_bytes", 0)
 
 
 def device_peak_text(stats: dict | None, compiled: tuple[int, int] | None) -> str | None:

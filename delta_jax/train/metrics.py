@@ -43,6 +43,14 @@ def device_peak_flops(device_kind: str, given_tflops: float | None = None) -> fl
     return None
 
 
+def memory_total_bytes(memory) -> int:
+    """A compiled program's bytes per device by its memory_analysis(): arguments, temporaries,
+    outputs not written in place of donated arguments, and code."""
+    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+            + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.generated_code_size_in_bytes)
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Model FLOPs of one training token (forward + backward = 3 x forward; remat not counted).
 
