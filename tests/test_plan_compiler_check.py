@@ -72,3 +72,38 @@ def test_a_refused_step_is_planned_at_the_figure_the_compiler_names():
     named = _oom_peak_bytes(plan.oom)
     assert plan.total_bytes == plan.live_peak_bytes == named > V5E_AVAILABLE
     assert plan.temp_bytes == named - plan.argument_bytes
+
+
+# What each chip's compiler lets one program hold per device, by its refusals (libtpu 0.0.42.1),
+# against the chip's HBM per device (chips.py): the runtime keeps the rest.
+COMPILER_LIMITS_GIB = {"v5e:1x1": (15.75, 16), "v6e:1x1": (31.25, 32),
+                       "v5p:2x2x1": (95.74, 95), "v4:2x2x1": (15.25, 16)}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", COMPILER_LIMITS_GIB)
+def test_the_planner_judges_by_the_limit_the_compiler_names(name):
+    from delta_jax.plan.topology import resolve
+
+    topology = resolve(name)
+    limit, chip = COMPILER_LIMITS_GIB[name]
+    assert topology.compiler_hbm_per_device == int(limit * GiB)
+    assert topology.chip_hbm_per_device == chip * GiB
+    assert topology.hbm_per_device == topology.compiler_hbm_per_device
+    assert f"{limit:.2f} GiB of it for a program" in topology.describe()
+
+
+def test_both_refusal_messages_are_read():
+    from delta_jax.plan.topology import refusal_bytes
+
+    # The first lines of two real refusals (libtpu 0.0.42.1): the live peak over the limit (the
+    # small step above, 18 x 4096 rows), and the heap assigned for a live peak that fitted, with
+    # its fragmentation and the arguments (220M on one v5e chip, remat full, 2 microbatches).
+    live_over = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                 "HLO temporaries (16.61G) exceeds available HBM (15.75G).")
+    heap_over = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. "
+                 "Ran out of memory in memory space hbm. Used 15.75G of 15.75G hbm. Exceeded hbm "
+                 "capacity by 3.60M.")
+    assert refusal_bytes(live_over) == (int(16.61 * GiB), int(15.75 * GiB))
+    assert refusal_bytes(heap_over) == (int(15.75 * GiB + 3.6 * 2**20), int(15.75 * GiB))
+    assert refusal_bytes("RESOURCE_EXHAUSTED: out of host memory") is None

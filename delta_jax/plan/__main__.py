@@ -2,12 +2,15 @@
 
     python -m delta_jax.plan --config configs/8b.yaml --topology v5p:4x4x4 \
         [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--json OUT] \
-        [--hbm-gib X] [--peak-tflops X] [--no-suggest] [section.key=value ...]
+        [--hbm-gib X] [--fit-by total|live] [--peak-tflops X] [--no-suggest] \
+        [section.key=value ...]
 
 Compiles the trainer's train step (same shardings, donation, gradient accumulation, remat) for
 the named topology on this host: a TPU slice needs libtpu (`pip install "jax[tpu]==<jax
 version>"`) but no TPU; `cpu:N` uses N (fake) CPU devices. Prints per device the parameters,
-optimizer state, batch, temporaries and total against the chip's HBM, fits or not; XLA's FLOPs,
+optimizer state, batch, temporaries, total and the bytes live at the peak against what the TPU
+compiler lets a program hold (its own limit, read from it: v5e 15.75 of 16 GiB), fits or not
+(by the total, or with --fit-by live by the live peak, all the compiler checks); XLA's FLOPs,
 bytes accessed and its cost-model step time (an estimate, not a measurement) with the
 tokens/s and MFU that follow. A run that does not fit is compiled again with each knob turned
 one notch (remat, grad_accum, all-fsdp) to show which helps and by how much. Each compile runs
@@ -58,7 +61,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default=None,
                    help="'all' or residual variants, comma-separated (default: the config's)")
     p.add_argument("--hbm-gib", type=float, default=None,
-                   help="HBM per device to judge against (default: the chip's)")
+                   help="HBM per device to judge against (default: the compiler's limit for a "
+                        "program, read from it; the chip's HBM where it says none)")
+    p.add_argument("--fit-by", choices=report.FIT_COUNTS, default="total",
+                   help=report.FIT_BY_HELP)
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak bf16 TFLOP/s per device for MFU (default: the chip's)")
     p.add_argument("--no-estimate", action="store_true",
@@ -83,7 +89,7 @@ def variant_names(text: str | None, default: str) -> list[str]:
 
 
 def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
-            peak: float | None, compile_: Worker) -> list[dict[str, Any]]:
+            peak: float | None, compile_: Worker, by: str = "total") -> list[dict[str, Any]]:
     """Compile each one-notch alternative to `run`; print and return how each does."""
     rows, out = [], []  # memory only: the question is whether it fits
     for change, alt_run in knobs.alternatives(run, plan.mesh):
@@ -93,14 +99,15 @@ def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
             rows.append([change, f"compiler crashed: {crash}", "", "-"])
             out.append({"change": change, "compiler_crash": str(crash)})
             continue
-        ok = report.fits(alt, hbm)
-        rows.append([change, f"{alt.total_bytes / GiB:.2f}",
-                     f"{(alt.total_bytes - plan.total_bytes) / GiB:+.2f}",
+        ok = report.fits(alt, hbm, by)
+        counted, before = report.counted_bytes(alt, by), report.counted_bytes(plan, by)
+        rows.append([change, f"{counted / GiB:.2f}", f"{(counted - before) / GiB:+.2f}",
                      "-" if ok is None else ("yes" if ok else "no")])
-        out.append({"change": change, **report.to_dict(alt, hbm, peak)})
+        out.append({"change": change, **report.to_dict(alt, hbm, peak, by)})
     if rows:
         print("  alternatives, each one change from the above (compiled):")
-        table = report.format_rows(["change", "HBM/device GiB", "vs above GiB", "fits"], rows,
+        counted = "HBM/device GiB" if by == "total" else "live at peak GiB"
+        table = report.format_rows(["change", counted, "vs above GiB", "fits"], rows,
                                    markdown=False)
         print("\n".join("    " + line for line in table.splitlines()))
     return out
@@ -136,15 +143,16 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                                    run.train.grad_accum, step_plan.mesh)
             plans.append(step_plan)
             floors.append(floor)
-            print(report.describe(step_plan, hbm, peak, floor), flush=True)
-            entry.update(**report.to_dict(step_plan, hbm, peak),
+            print(report.describe(step_plan, hbm, peak, floor, args.fit_by), flush=True)
+            entry.update(**report.to_dict(step_plan, hbm, peak, args.fit_by),
                          routing_floor=None if floor is None else floor.to_dict())
-            if report.fits(step_plan, hbm) is False and not args.no_suggest:
-                entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak, compile_)
+            if report.fits(step_plan, hbm, args.fit_by) is False and not args.no_suggest:
+                entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak, compile_,
+                                                args.fit_by)
             results.append(entry)
     if len(plans) > 1 or (plans and args.markdown):
         print()
-        print(report.variants_table(plans, hbm, markdown=args.markdown))
+        print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by))
     floor_table = report.floors_table(plans, floors, markdown=args.markdown)
     if floor_table is not None:
         print("\nrouting against its floor (the baseline plus what no form of routing avoids; "

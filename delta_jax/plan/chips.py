@@ -5,6 +5,10 @@ Public figures (cloud.google.com/tpu/docs/<version>, "key specifications"): v2 1
 32 GB, 918. The pages write GB for the newer chips; the capacities are GiB (a v5p reports about
 95.7 GiB to the runtime), which is what is used here. Dense bf16, no sparsity.
 
+What the TPU compiler lets one program hold is less than this (v5e: 15.75 of its 16 GiB); the
+planner reads that limit from the compiler (topology.compiler_limit) and judges by it, falling
+back to these figures only where the compiler names none.
+
 A chip may show up as several devices (v2, v3 and v4 topologies have one device per TensorCore,
 two per chip; v5p and v6e one per chip): per-device figures divide by that count.
 """

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import time
 
 import jax
@@ -32,7 +31,7 @@ from jax.sharding import AxisType, Mesh
 
 from delta_jax.config import ModelConfig
 from delta_jax.data.pipeline import batch_keys
-from delta_jax.plan.topology import PlanError, Topology, resolve
+from delta_jax.plan.topology import PlanError, Topology, refusal_bytes, resolve
 from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
 from delta_jax.train.config import RunConfig
 from delta_jax.train.metrics import memory_total_bytes, train_flops_per_token
@@ -160,17 +159,11 @@ def _bytes_per_device(tree) -> int:
                for x in jax.tree.leaves(tree))
 
 
-# The TPU compiler refuses a program that exceeds HBM, e.g. "RESOURCE_EXHAUSTED: Ran out of
-# memory on HBM, the total memory required for HLO temporaries (78.33G) exceeds available HBM
-# (15.75G)." The figure is the program's peak_memory_in_bytes, arguments included (checked
-# against the same program compiled for a larger chip; tests/test_plan_compiler_check.py).
-_OOM = re.compile(r"temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM")
-_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
 def _oom_peak_bytes(message: str) -> int | None:
-    found = _OOM.search(message)
-    return None if found is None else int(float(found[1]) * _UNIT[found[2]])
+    """The bytes a refused program needs, as the compiler's message names them: its live peak
+    or the heap assigned for it, arguments included (topology.refusal_bytes)."""
+    read = refusal_bytes(message)
+    return None if read is None else read[0]
 
 
 def cost_twin(run: RunConfig) -> RunConfig:

@@ -1,10 +1,14 @@
 """What a compiled StepPlan means for a run: does it fit, how fast would it be, and the tables.
 
-Fits: the compiler accepted the program and StepPlan.total_bytes (memory_analysis's
-arguments, temporaries, outputs and code) is within the device's HBM. The TPU compiler's own
-check holds only the bytes live at the peak (live_peak_bytes) against HBM, and
-temp_size_in_bytes counts more than those (BENCHMARKS.md), so this verdict errs on the safe
-side; both figures are printed.
+Fits: the compiler accepted the program and the bytes counted (`by`) are within what a device
+may hold: the compiler's own limit for one program where it was read (topology.py; v5e: 15.75
+of its 16 GiB), else the chip's HBM. Counted "total" (the default): StepPlan.total_bytes,
+memory_analysis's arguments, temporaries, outputs and code. "live": the bytes live at the peak
+(live_peak_bytes). The TPU compiler checks that count, then the heap it assigns for it
+(fragmentation included) with the arguments, and refuses the program if either is over its
+limit: against that limit a program it accepts fits by "live". temp_size_in_bytes counts more
+than the heap (BENCHMARKS.md), so "total" errs on the safe side until a TPU run shows what its
+runtime needs (the trainer logs both counts beside the device's peak). Both are printed.
 
 Speed: XLA's cost model ("optimal_seconds"), an estimate from the compiled program, never a
 measurement; tokens/s and MFU follow from it and the chip's peak FLOP/s.
@@ -21,11 +25,25 @@ from delta_jax.plan.floors import RoutingFloor
 GiB = 2**30
 
 
-def fits(plan: StepPlan, hbm_bytes: int | None) -> bool | None:
-    """True/False against `hbm_bytes` per device; None when there is no limit to judge by."""
+FIT_COUNTS = ("total", "live")
+FIT_BY_HELP = ("judge by memory_analysis's total (an upper bound; the default) or by the bytes "
+               "live at the peak (what the TPU compiler checks)")
+
+
+def counted_bytes(plan: StepPlan, by: str = "total") -> int:
+    """The bytes a step is judged by: memory_analysis's total, or its live peak ("live"; the
+    total where the compiler gave no live peak, as on CPU)."""
+    if by not in FIT_COUNTS:
+        raise ValueError(f"fit count {by!r} is unknown: expected one of {', '.join(FIT_COUNTS)}")
+    return (plan.live_peak_bytes or plan.total_bytes) if by == "live" else plan.total_bytes
+
+
+def fits(plan: StepPlan, hbm_bytes: int | None, by: str = "total") -> bool | None:
+    """True/False for the bytes counted `by` against `hbm_bytes` per device; None when there is
+    no limit to judge by. A program the compiler refused never fits."""
     if plan.oom is not None:
         return False
-    return None if hbm_bytes is None else plan.total_bytes <= hbm_bytes
+    return None if hbm_bytes is None else counted_bytes(plan, by) <= hbm_bytes
 
 
 def tokens_per_s(plan: StepPlan) -> float | None:
@@ -41,9 +59,11 @@ def mfu(plan: StepPlan, peak_flops_per_device: float | None) -> float | None:
     return plan.analytic_flops / s / (peak_flops_per_device * plan.num_devices)
 
 
-def to_dict(plan: StepPlan, hbm_bytes: int | None, peak: float | None) -> dict[str, Any]:
+def to_dict(plan: StepPlan, hbm_bytes: int | None, peak: float | None,
+            by: str = "total") -> dict[str, Any]:
     """The plan's fields and what follows from them (JSON-ready)."""
-    return {**dataclasses.asdict(plan), "hbm_bytes": hbm_bytes, "fits": fits(plan, hbm_bytes),
+    return {**dataclasses.asdict(plan), "hbm_bytes": hbm_bytes, "fit_by": by,
+            "fits": fits(plan, hbm_bytes, by),
             "estimated_tokens_per_s": tokens_per_s(plan), "estimated_mfu": mfu(plan, peak)}
 
 
@@ -51,23 +71,30 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f} GiB"
 
 
-def _verdict(ok: bool | None, plan: StepPlan, hbm: int | None) -> str:
+def _verdict(plan: StepPlan, hbm: int | None, by: str) -> str:
+    ok = fits(plan, hbm, by)
     if ok is None:
         return "not judged (no HBM figure for this device; pass --hbm-gib)"
-    over = plan.total_bytes - hbm
+    count = "the live peak" if by == "live" else "the total"
+    over = counted_bytes(plan, by) - hbm
     if ok:
-        return f"fits ({_gib(-over)} to spare)"
-    why = "the compiler refused it" if plan.oom else "over"
-    return f"does NOT fit ({why}; {_gib(over)} over)"
+        return f"fits by {count} ({_gib(-over)} to spare)"
+    if plan.oom:
+        return f"does NOT fit (the compiler refused it; {_gib(over)} over)"
+    text = f"does NOT fit by {count} ({_gib(over)} over)"
+    if plan.live_peak_bytes and plan.live_peak_bytes <= hbm:
+        text += (f"; the compiler accepts it, its live peak {_gib(hbm - plan.live_peak_bytes)} "
+                 "within (--fit-by live judges by that)")
+    return text
 
 
 def describe(plan: StepPlan, hbm: int | None, peak: float | None,
-             floor: RoutingFloor | None = None) -> str:
+             floor: RoutingFloor | None = None, by: str = "total") -> str:
     """The per-device report of one compiled step, several lines; with the routing `floor`
     of its variant (floors.py), what of it no form of routing avoids."""
     est = plan.estimated_step_s
     tps, util = tokens_per_s(plan), mfu(plan, peak)
-    hbm_text = f" of {_gib(hbm)} HBM" if hbm else ""
+    hbm_text = f" of {_gib(hbm)}" if hbm else ""
     lines = [
         f"{plan.variant}: {plan.batch_size} x {plan.seq_len} tokens per step, {plan.knobs}, "
         f"{plan.layer_driver} driver, {plan.num_devices} devices",
@@ -77,12 +104,12 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
         f"    batch             {_gib(plan.batch_bytes)}",
         f"    temporaries       {_gib(plan.temp_bytes)}",
         f"    total             {_gib(plan.total_bytes)}{hbm_text}: "
-        f"{_verdict(fits(plan, hbm), plan, hbm)}",
+        f"{_verdict(plan, hbm, by)}",
     ]
     if plan.live_peak_bytes:
         lines.append(f"    live at the peak  {_gib(plan.live_peak_bytes)}: what the TPU compiler "
-                     "holds against HBM when it accepts or refuses the program (the total above "
-                     "counts more, so it is an upper bound)")
+                     "checks against its limit, and then the heap it assigns for it (the total "
+                     "above counts more, so it is an upper bound)")
     if plan.oom:
         lines.append(f"    compiler: {plan.oom}")
     elif plan.flops is None:
@@ -117,17 +144,19 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "" if value is None or not base else f" ({value / base:.2f}x)"
 
 
-def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False) -> str:
+def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False,
+                   by: str = "total") -> str:
     """One row per plan, ratios to the baseline among them (compiled in the same process)."""
     base = _baseline(plans)
-    header = ["variant", "HBM/device GiB", "live at peak GiB", "fits", "est. step s",
+    header = ["variant", "HBM/device GiB", "live at peak GiB",
+              "fits" if by == "total" else "fits (live)", "est. step s",
               "bytes accessed GiB", "est. tokens/s", "compile s"]
     rows = []
     for p in plans:
         step = "-" if p.estimated_step_s is None else f"{p.estimated_step_s:.4f}"
         accessed = "-" if p.bytes_accessed is None else f"{p.bytes_accessed / GiB:.1f}"
         tps = tokens_per_s(p)
-        ok = fits(p, hbm)
+        ok = fits(p, hbm, by)
         rows.append([
             p.variant,
             f"{p.total_bytes / GiB:.2f}{_ratio(p.total_bytes, base and base.total_bytes)}",

@@ -17,6 +17,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 
 from delta_jax.plan.chips import CHIPS, Chip
 from delta_jax.plan.chips import chip as chip_named
@@ -32,6 +33,9 @@ class Topology:
     devices: tuple  # jax Devices (compile-only ones for TPU), len = D
     chip: Chip | None  # None for CPUs
     num_slices: int = 1
+    # What the TPU compiler lets one program hold per device, by its own message (compiler_limit);
+    # below the chip's HBM (v5e: 15.75 of 16 GiB). None: not read (CPUs, or no such message).
+    compiler_hbm_per_device: int | None = None
 
     @property
     def num_devices(self) -> int:
@@ -45,8 +49,15 @@ class Topology:
         return self.num_devices // len(chips)
 
     @property
-    def hbm_per_device(self) -> int | None:
+    def chip_hbm_per_device(self) -> int | None:
+        """The chip's HBM (chips.py) over its devices."""
         return None if self.chip is None else self.chip.hbm_bytes // self.devices_per_chip
+
+    @property
+    def hbm_per_device(self) -> int | None:
+        """What a step is judged against: the compiler's limit where it was read, else the
+        chip's HBM."""
+        return self.compiler_hbm_per_device or self.chip_hbm_per_device
 
     @property
     def peak_flops_per_device(self) -> float | None:
@@ -56,8 +67,11 @@ class Topology:
         """"v5p:4x4x4 (64 x TPU v5, 95.0 GiB HBM each)"-style summary."""
         kind = self.devices[0].device_kind
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
-        hbm = (f", {self.hbm_per_device / 2**30:.1f} GiB HBM each"
-               if self.hbm_per_device else "")
+        hbm = "" if not self.chip_hbm_per_device else (
+            f", {self.chip_hbm_per_device / 2**30:.1f} GiB HBM each")
+        if self.compiler_hbm_per_device:
+            hbm += (f", {self.compiler_hbm_per_device / 2**30:.2f} GiB of it for a program by the "
+                    "compiler's limit")
         return f"{self.name}{slices} ({self.num_devices} x {kind}{hbm})"
 
 
@@ -143,7 +157,52 @@ def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
                         f"expected {VALID}") from None
     if not found:
         raise PlanError(f"--topology {name!r} has no devices; expected {VALID}")
-    return Topology(name, tuple(found), chip, num_slices)
+    return Topology(name, tuple(found), chip, num_slices, compiler_limit(found[0]))
+
+
+# The TPU compiler refuses a program that needs more than it allows, in one of two messages:
+# - "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+#   (78.33G) exceeds available HBM (15.75G)." The first figure is the program's
+#   peak_memory_in_bytes, arguments included (tests/test_plan_compiler_check.py).
+# - "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: ... Ran out of memory in memory space hbm.
+#   Used 15.75G of 15.75G hbm. Exceeded hbm capacity by 3.60M.", where the live peak fitted but
+#   the heap assigned for it, fragmentation included, and the arguments did not (seen at 220M on
+#   one v5e chip, remat full, 2 microbatches: a 13.25G heap for 10.66G of temporaries).
+# G is GiB.
+_REFUSALS = (
+    (re.compile(r"temporaries \(([0-9.]+)([KMGT])\) exceeds available HBM "
+                r"\(([0-9.]+)([KMGT])\)"), lambda needed, available: (needed, available)),
+    (re.compile(r"Used [0-9.]+[KMGT] of ([0-9.]+)([KMGT]) hbm\. Exceeded hbm capacity by "
+                r"([0-9.]+)([KMGT])"), lambda available, over: (available + over, available)),
+)
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def refusal_bytes(message: str) -> tuple[int, int] | None:
+    """(bytes the program needs, bytes the compiler allows) from a refusal, else None. The
+    messages round each figure to two decimals of its unit."""
+    for pattern, read in _REFUSALS:
+        found = pattern.search(message)
+        if found is not None:
+            first, second = (float(found[i]) * _UNIT[found[i + 1]] for i in (1, 3))
+            return tuple(int(n) for n in read(first, second))
+    return None
+
+
+def compiler_limit(device) -> int | None:
+    """The bytes the TPU compiler lets one program hold on `device` (compile-only), read from
+    its refusal of a program that needs 256 GiB, more than any chip has: it is what the
+    compiler checks a step's bytes live at the peak against, and the runtime reserves the rest
+    of the chip. None where no refusal says it."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    too_big = jax.jit(lambda x: jnp.cumsum(jnp.broadcast_to(x, (2**36,))),
+                      in_shardings=sharding, out_shardings=sharding)
+    try:
+        too_big.lower(jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    except jax.errors.JaxRuntimeError as refused:
+        read = refusal_bytes(str(refused))
+        return None if read is None else read[1]
+    return None
 
 
 def match_shape(name: str) -> str:

@@ -1,12 +1,15 @@
 """What fits where: the smallest slice of each TPU chip that each config trains on.
 
     python -m delta_jax.plan.where --configs configs/220m.yaml,configs/8b.yaml \
-        --chips v5e,v5p,v6e [--markdown] [--json OUT] [section.key=value ...]
+        --chips v5e,v5p,v6e [--fit-by total|live] [--markdown] [--json OUT] \
+        [section.key=value ...]
 
 For each config and chip, slices are tried smallest first (chips.SLICES); on each, every
 device goes to fsdp (to tensor what the batch cannot split over), and the knobs are turned
 until the step fits: remat none, save_dots, full, then full with 2, 4, 8, ... microbatches
-(as many as the batch allows). The first that fits is reported. A slice whose parameters and
+(as many as the batch allows). The first that fits is reported: by memory_analysis's total
+against the compiler's limit for a program (report.fits), or with --fit-by live by the bytes
+live at the peak, all the TPU compiler checks. A slice whose parameters and
 optimizer state alone exceed HBM is skipped without compiling. Memory only: each candidate is
 the real train step compiled for that slice (compile.compile_step, estimate=False), in a child
 process (plan/isolated.py): a candidate on which the compiler crashes is reported and skipped.
@@ -64,8 +67,8 @@ def memory_plan(run: RunConfig, topology_name: str) -> StepPlan:
 
 
 def smallest_fit(run: RunConfig, chip_name: str,
-                 compile_memory: Callable[[RunConfig, str], StepPlan] = memory_plan
-                 ) -> dict[str, Any]:
+                 compile_memory: Callable[[RunConfig, str], StepPlan] = memory_plan,
+                 by: str = "total") -> dict[str, Any]:
     """The first (slice, knobs) on which `run` fits, with its memory; or the largest tried.
     Candidates on which `compile_memory` raises CompilerCrash are listed under "crashed"."""
     crashed = []
@@ -85,30 +88,38 @@ def smallest_fit(run: RunConfig, chip_name: str,
                       f"({crash})", file=sys.stderr, flush=True)
                 crashed.append(f"{topology.name} {tried_knobs}")
                 continue
-            print(f"  {topology.name}: {plan.knobs}: {plan.total_bytes / GiB:.1f} GiB of "
-                  f"{hbm / GiB:.1f}", file=sys.stderr, flush=True)
-            if report.fits(plan, hbm):
+            counts = (f"refused by the compiler, needs {plan.total_bytes / GiB:.2f} GiB"
+                      if plan.oom else f"{plan.total_bytes / GiB:.2f} GiB (live at the peak "
+                      f"{_gib_or_dash(plan.live_peak_bytes)})")
+            print(f"  {topology.name}: {plan.knobs}: {counts} of {hbm / GiB:.2f}",
+                  file=sys.stderr, flush=True)
+            if report.fits(plan, hbm, by):
                 return {"chip": chip_name, "slice": shape, "devices": topology.num_devices,
                         "mesh": plan.mesh, "remat": plan.remat, "grad_accum": plan.grad_accum,
-                        "hbm_bytes": plan.total_bytes, "hbm_per_device": hbm,
-                        "crashed": crashed}
+                        "hbm_bytes": plan.total_bytes, "live_peak_bytes": plan.live_peak_bytes,
+                        "hbm_per_device": hbm, "fit_by": by, "crashed": crashed}
     return {"chip": chip_name, "slice": None, "largest_tried": SLICES[chip_name][-1],
             "crashed": crashed}
 
 
+def _gib_or_dash(n: int | None) -> str:
+    return "-" if not n else f"{n / GiB:.2f}"
+
+
 def table(rows: list[dict[str, Any]], markdown: bool) -> str:
     header = ["config", "chip", "smallest slice", "mesh (data/fsdp/tensor)", "remat",
-              "grad_accum", "HBM/device GiB"]
+              "grad_accum", "HBM/device GiB", "live at peak GiB", "compiler's limit GiB"]
     body = []
     for r in rows:
         if r["slice"] is None:
             body.append([r["config"], r["chip"], f"none up to {r['largest_tried']}", "", "", "",
-                         ""])
+                         "", "", ""])
             continue
         m = r["mesh"]
         body.append([r["config"], r["chip"], f"{r['chip']}:{r['slice']} ({r['devices']})",
                      f"{m['data']}/{m['fsdp']}/{m['tensor']}", r["remat"], str(r["grad_accum"]),
-                     f"{r['hbm_bytes'] / GiB:.1f} of {r['hbm_per_device'] / GiB:.0f}"])
+                     f"{r['hbm_bytes'] / GiB:.2f}", _gib_or_dash(r.get("live_peak_bytes")),
+                     f"{r['hbm_per_device'] / GiB:.2f}"])
     text = report.format_rows(header, body, markdown)
     crashes = [f"{r['config']} on {c}" for r in rows for c in r.get("crashed", [])]
     if crashes:
@@ -123,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", required=True, help="run YAMLs, comma-separated")
     p.add_argument("--chips", default="v5e,v5p,v6e", help="comma-separated: " + ", ".join(SLICES))
+    p.add_argument("--fit-by", choices=report.FIT_COUNTS, default="total",
+                   help=report.FIT_BY_HELP)
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", type=Path)
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to every config")
@@ -141,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in chips:
                     print(f"{path} on {name}", file=sys.stderr, flush=True)
                     rows.append({"config": Path(path).stem,
-                                 **smallest_fit(run, name, compile_memory)})
+                                 **smallest_fit(run, name, compile_memory, args.fit_by)})
     except (PlanError, ValueError, FileNotFoundError) as err:
         print(f"python -m delta_jax.plan.where: error: {err}", file=sys.stderr)
         return 2
