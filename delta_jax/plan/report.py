@@ -83,8 +83,8 @@ def _verdict(plan: StepPlan, hbm: int | None, by: str) -> str:
         return f"does NOT fit (the compiler refused it; {_gib(over)} over)"
     text = f"does NOT fit by {count} ({_gib(over)} over)"
     if plan.live_peak_bytes and plan.live_peak_bytes <= hbm:
-        text += (f"; the compiler accepts it, its live peak {_gib(hbm - plan.live_peak_bytes)} "
-                 "within (--fit-by live judges by that)")
+        text += (f"; the compiler accepts it: live at the peak {_gib(plan.live_peak_bytes)}, "
+                 f"{_gib(hbm - plan.live_peak_bytes)} under (--fit-by live judges by that)")
     return text
 
 
