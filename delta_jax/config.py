@@ -21,12 +21,12 @@ ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, peel_block_starts, hoist_block_writes, routing_kernel,
-# routing_logits, attention) only change how the same function is computed; checkpoints may
-# move between them.
+# unroll_layers, buffer_segments, peel_block_starts, hoist_block_writes, rebuild_states,
+# routing_kernel, routing_logits, attention) only change how the same function is computed;
+# checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "peel_block_starts", "hoist_block_writes", "routing_kernel",
-                  "routing_logits", "attention")
+                  "buffer_segments", "peel_block_starts", "hoist_block_writes", "rebuild_states",
+                  "routing_kernel", "routing_logits", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,13 @@ class ModelConfig:
     # layer inside it computes a write to mask out (delta_jax/model/drivers.py). v5p estimate
     # at 1044M: 1.061x -> 1.034x the baseline's step (12.01 -> 12.12 GiB a chip then; 11.83 now).
     hoist_block_writes: bool = False
+    # delta with the lean driver: keep only each layer loop's input state (buffer_segments
+    # loops) and rebuild each layer's input state from the buffer in the backward pass, as the
+    # running sum of the sources written before it (delta_jax/model/decoder.py
+    # DeltaStateRebuild). HBM for time, v5p (BENCHMARKS.md): 220M 12.25 -> 11.31 GiB a chip
+    # (live at the peak 9.86 -> 9.33) for an estimated step 1.9% slower; 1044M 21.49 -> 18.86
+    # (15.16 -> 13.87); 8B 36.37 -> 31.99 (24.83 -> 22.64). Off unless HBM is short.
+    rebuild_states: bool = False
     # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
     # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
     routing_kernel: str = "xla"
@@ -132,7 +139,7 @@ class ModelConfig:
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers",
-                      "peel_block_starts", "hoist_block_writes"):
+                      "peel_block_starts", "hoist_block_writes", "rebuild_states"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         if not self.rms_norm_eps > 0:

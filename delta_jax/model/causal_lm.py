@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx, struct
 
 from delta_jax.config import ModelConfig
-from delta_jax.model.decoder import DecoderLayer, HoistedBlockWrite
+from delta_jax.model.decoder import DecoderLayer, DeltaStateRebuild, HoistedBlockWrite
 from delta_jax.model.drivers import DRIVERS, with_remat
 from delta_jax.model.layers import LayerCache, RMSNorm, dtype_of, make_param, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState, Write
@@ -140,10 +140,12 @@ class CausalLM(nnx.Module):
 
         hoist = (HoistedBlockWrite(cfg)
                  if cfg.hoist_block_writes and cfg.residual == "delta_block" else None)
+        rebuild = (DeltaStateRebuild()
+                   if cfg.rebuild_states and cfg.residual == "delta" else None)
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
             unroll=cfg.unroll_layers, segments=cfg.buffer_segments, peel=cfg.peel_block_starts,
-            hoist=hoist)
+            hoist=hoist, rebuild=rebuild)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)

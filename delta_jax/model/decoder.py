@@ -198,6 +198,28 @@ class HoistedBlockWrite:
         return _writer(self.cfg, buffer)(value, row.first_write)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeltaStateRebuild:
+    """delta's residual stream is the running sum of its sources: a layer adds the two values it
+    writes, h <- (h + a) + m with a, m in slots first_write and first_write + 1 (delta_layer).
+    So the lean driver need not keep every layer's input state for its backward pass: from a
+    loop's input state and the final buffer it adds the same values in the same order again
+    (rebuild_states). Bit for bit the same states where the buffer holds the compute dtype, as
+    it does (Write.of casts to it); a compiler that keeps the sum in more precision inside one
+    layer and not across the rebuild can differ in the last bit."""
+
+    def state(self, first: TokenState, buffer: SourceBuffer, rows: ScheduleRow, start: int,
+              index) -> TokenState:
+        """Layer `index`'s input state, from layer `start`'s input `first`: the writes of layers
+        [start, index) added to it in order (index static or traced)."""
+        def add_layer(layer, h):
+            slot = jnp.asarray(rows.first_write)[layer]
+            a, m = (buffer.slot(slot + k)[0].astype(h.dtype) for k in (0, 1))
+            return (h + a) + m
+
+        return TokenState(jax.lax.fori_loop(start, index, add_layer, first.h))
+
+
 def _block_write(write: Callable[..., Write], value: jax.Array, slot, row: ScheduleRow
                  ) -> Write | None:
     """A block variant's write of `value`, which happens only where the layer starts a block:

@@ -11,7 +11,8 @@
   its backward pass takes a block's first layer out of the loop over the block (block_runs), so
   the block's other layers know statically that they write nothing. With `hoist` (delta_block)
   a loop that is one block's first layers gets the block's source committed before it, and no
-  layer in it writes at all (hoistable).
+  layer in it writes at all (hoistable). With `rebuild` (delta) it keeps one state a loop, not
+  one a layer, and rebuilds each layer's from the buffer (its stream is the sum of its sources).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from delta_jax.model.protocol import Carry, LayerOutput, ScheduleRow, SourceBuffer
+from delta_jax.model.protocol import Carry, LayerOutput, ScheduleRow, SourceBuffer, TokenState
 
 REMAT_POLICIES = {
     "none": None,
@@ -53,9 +54,9 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
 
 
 def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False, hoist=None):
+             segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
     # One loop: its per-layer routing weights are padded to the whole buffer.
-    del segments, peel, hoist
+    del segments, peel, hoist, rebuild
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -64,9 +65,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
 
 
 def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
-                 segments: int = 1, peel: bool = False, hoist=None):
+                 segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
     # Always unrolled, always over the whole buffer (the reference path); its rows are static.
-    del unroll, segments, peel, hoist
+    del unroll, segments, peel, hoist, rebuild
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -161,7 +162,7 @@ def _hoisted_write_backward(hoist, row: ScheduleRow, cotangent: Carry,
 
 
 def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False, hoist=None):
+             segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
     layer by layer (the same program without while loops, for XLA's cost analysis).
@@ -177,7 +178,12 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     `hoist` (delta_block with hoist_block_writes, decoder.HoistedBlockWrite): a segment that is
     one block's first layers (hoistable) gets that block's source committed before its loop,
     so that no layer inside the loop computes a write to mask out (ScheduleRow.write_hoisted);
-    the backward pass adds the write's cotangent to the segment's input after the loop."""
+    the backward pass adds the write's cotangent to the segment's input after the loop.
+
+    `rebuild` (delta with rebuild_states, decoder.DeltaStateRebuild): the forward pass keeps
+    only each segment's input state, and each step of the backward loop rebuilds its layer's
+    input state from it and the final buffer (a loop over the segment's earlier layers' writes):
+    `segments` states are kept instead of one a layer, for a few more reads of the buffer."""
     spans = buffer_spans(rows, carry.buffer.num_slots, segments)
     hoisted = {start for start, end, _ in spans
                if hoist is not None and hoistable(rows, start, end)}
@@ -197,12 +203,13 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                 write = hoist.write(hoist.source(carry, row), row, carry.buffer)
                 carry = carry.replace(buffer=carry.buffer.commit((write,)))
             span_carry = Carry(carry.state, carry.buffer.prefix(length))
+            keep_each = keep_states and rebuild is None
             part, states = _over_layers(
                 lambda c, xs, within=(start, end): (
-                    layer(xs[0], c, xs[1], within), c.state if keep_states else None),
+                    layer(xs[0], c, xs[1], within), c.state if keep_each else None),
                 span_carry, _layer_range(inputs, start, end), start, end, unroll=unroll)
+            state_inputs.append(span_carry.state if rebuild is not None else states)
             carry = Carry(part.state, carry.buffer.with_prefix(part.buffer))
-            state_inputs.append(states)
         return carry, state_inputs
 
     @jax.custom_vjp
@@ -216,10 +223,12 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     def backward(residuals, final_cotangent: Carry):
         inputs, state_inputs, final = residuals
 
-        def run_body(within: tuple[int, int]):
+        def run_body(within: tuple[int, int], span_input: tuple[int, TokenState] | None):
             def body(carried: tuple[Carry, SourceBuffer], xs):
                 cotangent, final_buffer = carried
                 (inputs_l, state_in), index = xs
+                if span_input is not None:  # rebuild: the segment's input state, not the layer's
+                    state_in = span_input[1]
                 row = row_at(index, within)
                 if within[1] - within[0] == 1:
                     # Outside a loop nothing orders the layer's recompute after the cotangent
@@ -230,6 +239,8 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                         (cotangent, inputs_l, state_in, final_buffer))
                 else:
                     buffer = final_buffer
+                if span_input is not None:
+                    state_in = rebuild.state(state_in, buffer, rows, span_input[0], index)
 
                 def layer_reads(p, state, buffer):
                     # Over the final buffer: the slots layer `index` had not yet seen are masked
@@ -284,10 +295,14 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
             span_runs = (block_runs(rows, span_start, span_end)
                          if peel and span_start not in hoisted else [(span_start, span_end)])
             for start, end in reversed(span_runs):
+                # With `rebuild`, `states` is the span's input state, which each layer's step
+                # reads whole; else the span's per-layer states, one a step.
+                span_input = None if rebuild is None else (span_start, states)
+                per_layer = (None if rebuild is not None
+                             else _layer_range(states, start - span_start, end - span_start))
                 (part, final_prefix), d_part = _over_layers(
-                    run_body((start, end)), (part, final_prefix),
-                    (_layer_range(inputs, start, end),
-                     _layer_range(states, start - span_start, end - span_start)), start, end,
+                    run_body((start, end), span_input), (part, final_prefix),
+                    (_layer_range(inputs, start, end), per_layer), start, end,
                     reverse=True, unroll=unroll)
                 d_inputs.insert(0, d_part)
             if span_start in hoisted:
