@@ -11,6 +11,7 @@ slice_index).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -33,9 +34,6 @@ class Topology:
     devices: tuple  # jax Devices (compile-only ones for TPU), len = D
     chip: Chip | None  # None for CPUs
     num_slices: int = 1
-    # What the TPU compiler lets one program hold per device, by its own message (compiler_limit);
-    # below the chip's HBM (v5e: 15.75 of 16 GiB). None: not read (CPUs, or no such message).
-    compiler_hbm_per_device: int | None = None
 
     @property
     def num_devices(self) -> int:
@@ -47,6 +45,13 @@ class Topology:
             return 1
         chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in self.devices}
         return self.num_devices // len(chips)
+
+    @functools.cached_property
+    def compiler_hbm_per_device(self) -> int | None:
+        """What the TPU compiler lets one program hold per device, by its own message
+        (compiler_limit), below the chip's HBM (v5e: 15.75 of 16 GiB); read when first asked,
+        not by every process that only compiles. None for CPUs, or where no message says it."""
+        return None if self.chip is None else compiler_limit(self.devices[0])
 
     @property
     def chip_hbm_per_device(self) -> int | None:
@@ -157,7 +162,7 @@ def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
                         f"expected {VALID}") from None
     if not found:
         raise PlanError(f"--topology {name!r} has no devices; expected {VALID}")
-    return Topology(name, tuple(found), chip, num_slices, compiler_limit(found[0]))
+    return Topology(name, tuple(found), chip, num_slices)
 
 
 # The TPU compiler refuses a program that needs more than it allows, in one of two messages:
