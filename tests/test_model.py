@@ -16,6 +16,7 @@ from delta_jax.model.layers import inverse_rms, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
 from delta_jax.model.routing import RoutingSite, weighted_sum
 from delta_jax.model.schedule import schedule
+from numerics import assert_float32_equal
 from reference_forward import reference_forward
 
 VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
@@ -158,7 +159,8 @@ def test_weighted_sum_has_autodiffs_gradient(dtype, tolerance):
 def test_a_site_over_one_slot_is_the_softmax_over_one_source(num_valid):
     """Over a one-slot buffer (delta_block's first lean loop) a site skips the logit and the
     sum: its mix, weights and gradients are those of the full softmax path over a two-slot
-    buffer that masks the second slot, to the bit (a softmax over one source is exactly 1)."""
+    buffer that masks the second slot (a softmax over one source is exactly 1; to float32
+    rounding, the two being different programs)."""
     cfg = ModelConfig.tiny(residual="delta_block", num_layers=2, num_blocks=2)
     keys = jax.random.split(jax.random.key(1), 4)
     site = RoutingSite(cfg, nnx.Rngs(3))
@@ -182,8 +184,7 @@ def test_a_site_over_one_slot_is_the_softmax_over_one_source(num_valid):
         return mix, weights[:1], d_params, d_values[:1]
 
     one, full = mix_and_gradient(1), mix_and_gradient(2)
-    for ours, softmax in zip(jax.tree.leaves(one), jax.tree.leaves(full)):
-        np.testing.assert_array_equal(ours, softmax)
+    assert_float32_equal(one, full)
     assert float(jnp.abs(one[1]).max()) == (0.0 if num_valid == 0 else 1.0)
 
 
@@ -366,11 +367,11 @@ def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra):
     dict(buffer_segments=2, null_source=True, routing_gate=True, routing_logits="write",
          remat="save_dots"),
 ])
-def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient_bit_for_bit(extra,
-                                                                             monkeypatch):
+def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypatch):
     """With rebuild_states the lean driver keeps each loop's input state only and rebuilds its
     layers' states from the buffer in the backward pass: in float32 the same sums as the
-    forward's, so the same loss and gradient to the bit; and it does rebuild, once a loop."""
+    forward's, so the same loss and gradient (to float32 rounding: another program); and it
+    does rebuild, once a loop."""
     from delta_jax.model.decoder import DeltaStateRebuild
 
     cfg = tiny(residual="delta", num_layers=6, **extra)
@@ -387,8 +388,8 @@ def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient_bit_for_bit(extr
     # once in each loop's body (traced once), from the loop's first layer
     assert sorted(rebuilt) == [a for a, _, _ in buffer_spans(
         schedule(cfg).rows(), schedule(cfg).num_slots, cfg.buffer_segments)]
-    assert float(loss) == float(want_loss)
-    chex.assert_trees_all_equal(grads, want)
+    assert_float32_equal(loss, want_loss)
+    assert_float32_equal(grads, want)
 
 
 def _with_params_of(target: CausalLM, source: CausalLM) -> CausalLM:
@@ -432,15 +433,16 @@ def test_zero_queries_give_the_baseline_except_delta_block(capsys):
 
 @pytest.mark.parametrize("residual", ["block", "full"])
 def test_stream_gate_spans_the_baseline_and_attnres(residual):
-    """gate_base='stream': every gate at 0 is the plain Qwen3 bit for bit (the stream is summed
-    in the baseline's order), every gate at 1 is the reference's ungated AttnRes."""
+    """gate_base='stream': every gate at 0 is the plain Qwen3 (the stream is summed in the
+    baseline's order; to float32 rounding, being another program), every gate at 1 is the
+    reference's ungated AttnRes."""
     baseline = init_model(tiny(residual="baseline"), 6)
     gated = _with_params_of(init_model(tiny(residual=residual, routing_gate=True,
                                             gate_base="stream"), 7), baseline)
     plain = _with_params_of(init_model(tiny(residual=residual), 8), gated)
     assert gated.final_site.gate is not None and plain.final_site.gate is None
     forward = jax.jit(lambda model, ids: model(ids))
-    np.testing.assert_array_equal(forward(gated, IDS), forward(baseline, IDS))
+    assert_float32_equal(forward(gated, IDS), forward(baseline, IDS))
     attnres = np.asarray(forward(plain, IDS))
     assert np.abs(attnres - np.asarray(forward(baseline, IDS))).max() > 1e-2  # queries normal
     np.testing.assert_allclose(forward(_set_gates(gated, 1.0), IDS), attnres, atol=1e-6, rtol=0)

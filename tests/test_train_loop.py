@@ -26,6 +26,7 @@ from delta_jax.train.loop import Trainer, run
 from delta_jax.train.metrics import read_metrics
 from delta_jax.train.optimizer import make_optimizer
 from delta_jax.train.state import abstract_state, state_specs, to_shardings
+from numerics import assert_float32_equal
 
 STEPS, SPLIT = 6, 3
 MODEL = dict(vocab_size=260, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -237,7 +238,8 @@ def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):
 
 def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, tmp_path):
     """Qwen3 -> block (gated against the residual stream) -> trainer: the first loss is the
-    plain model's, bit for bit; then the gates open and the two runs part."""
+    plain model's (to float32 rounding: another program); then the gates open and the two
+    runs part."""
     plain = init_model(ModelConfig(**{**MODEL, "residual": "baseline"}), seed=7)
     save_checkpoint(plain, tmp_path / "plain")
     converted = load_pretrained(save_pretrained(plain, tmp_path / "qwen3"), residual="block",
@@ -250,7 +252,7 @@ def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, 
                "model.residual=block", "model.router_init=zeros", "model.routing_gate=true",
                "model.gate_base=stream", *steps))
     base, block = losses(tmp_path / "base"), losses(tmp_path / "block")
-    assert block[1] == base[1]
+    assert_float32_equal(block[1], base[1])
     assert block[3] != base[3]
     gates = params_at(tmp_path / "block", 3)["layers"]["mlp_site"]["gate"]
     assert np.all(gates != 0), gates
