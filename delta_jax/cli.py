@@ -19,9 +19,11 @@ from delta_jax.config import DTYPES
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-MESH_HELP = ("run on a DATA,FSDP,TENSOR device mesh over every device of every process, e.g. "
-             "1,4,2 (one size may be -1: the devices left); parameters are loaded onto their "
-             "shardings. Default: one device")
+MESH_HELP = ("run on a DATA,FSDP,TENSOR device mesh, sizes within each TPU slice or GPU node "
+             "(one may be -1: the devices left), e.g. 1,4,2; over several slices or nodes add "
+             "/DCN_DATA,DCN_FSDP,DCN_TENSOR, the slices each axis spans (default /-1,1,1: the "
+             "slices go on data). Parameters are loaded onto their shardings. Default: one "
+             "device")
 DISTRIBUTED_HELP = ("join the processes of a multi-process run (jax.distributed) before touching "
                     "a device: COORDINATOR_HOST:PORT,NUM_PROCESSES,PROCESS_ID (launch/local.sh "
                     "passes it), or alone to let SLURM or a Cloud TPU pod describe itself")
@@ -62,7 +64,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, distributed: bool = True) -> None:
     """--mesh and --distributed: a model sharded over devices, possibly of several processes."""
-    parser.add_argument("--mesh", metavar="DATA,FSDP,TENSOR", help=MESH_HELP)
+    parser.add_argument("--mesh", metavar="DATA,FSDP,TENSOR[/DCN...]", help=MESH_HELP)
     if distributed:
         parser.add_argument("--distributed", nargs="?", const="auto", metavar="HOST:PORT,N,I",
                             help=DISTRIBUTED_HELP)
@@ -102,20 +104,29 @@ def start_processes(args: argparse.Namespace) -> None:
     initialize_distributed(address, count, index)
 
 
+def _mesh_sizes(text: str) -> list[int]:
+    """"1,4,2" -> [1, 4, 2]: three sizes >= 1, one of which may be -1; else ValueError."""
+    sizes = [int(n) for n in text.split(",")]
+    if len(sizes) != 3 or any(n < 1 and n != -1 for n in sizes) or sizes.count(-1) > 1:
+        raise ValueError(text)
+    return sizes
+
+
 def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
     """The mesh that --mesh names, or None (one device)."""
     if args.mesh is None:
         return None
-    from delta_jax.sharding import make_mesh  # jax is imported only once a command needs it
+    from delta_jax.sharding import ACROSS_SLICES_DEFAULT, make_hybrid_mesh  # jax only when needed
 
+    within, slash, across = args.mesh.partition("/")
     try:
-        sizes = [int(n) for n in args.mesh.split(",")]
-        if len(sizes) != 3 or any(n < 1 and n != -1 for n in sizes) or sizes.count(-1) > 1:
-            raise ValueError
+        per_slice = _mesh_sizes(within)
+        across_slices = _mesh_sizes(across) if slash else ACROSS_SLICES_DEFAULT
     except ValueError:
         raise ValueError(f"--mesh {args.mesh}: expected three device counts DATA,FSDP,TENSOR, "
-                         "such as 1,4,2 (one may be -1: the devices left)") from None
+                         "such as 1,4,2 (one may be -1: the devices left), optionally "
+                         "followed by /DCN_DATA,DCN_FSDP,DCN_TENSOR") from None
     try:
-        return make_mesh(*sizes)
+        return make_hybrid_mesh(per_slice, across_slices)
     except ValueError as err:
         raise ValueError(f"--mesh {args.mesh}: {err}") from None

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -42,27 +43,122 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes (plain indexing of sharded arrays works).
+# Each mesh axis is an in-slice part (ICI on a TPU slice, NVLink within a GPU node) times an
+# across-slice part (DCN, the data-centre network between slices or nodes). By default every
+# slice goes on `data`, so that only the gradient all-reduce crosses the slow network.
+ACROSS_SLICES_DEFAULT = (-1, 1, 1)
 
-    One size may be -1: the devices the other axes leave.
+
+def slice_groups(devices: Sequence) -> tuple[str, list[list]]:
+    """The devices split into the granules the slow network joins, in order: TPU slices (or GPU
+    nodes that carry a slice index), else on GPU one group per process (node). One group
+    otherwise. Returns (what a group is called, the groups)."""
+    if len({getattr(d, "slice_index", 0) for d in devices}) > 1:
+        key, name = "slice_index", "slices"
+    elif devices[0].platform == "gpu" and len({d.process_index for d in devices}) > 1:
+        key, name = "process_index", "nodes"
+    else:
+        return "slices", [list(devices)]
+    groups: dict[int, list] = {}
+    for device in devices:
+        groups.setdefault(getattr(device, key), []).append(device)
+    return name, [groups[k] for k in sorted(groups)]
+
+
+def _resolve(sizes: Sequence[int], total: int, what: str, unit: str = "devices",
+             context: str = "") -> tuple[int, ...]:
+    """(data, fsdp, tensor) with its one -1 resolved so that the product is `total`, or a
+    one-line ValueError naming the sizes and what is available."""
+    out = list(sizes)
+    if -1 in out:
+        fixed = math.prod(n for n in sizes if n != -1)
+        axis = MESH_AXES[out.index(-1)]
+        if total % fixed:
+            raise ValueError(f"{what} {axis}=-1: {total} {unit} do not split over the other "
+                             f"axes' {fixed}{context}")
+        out[out.index(-1)] = total // fixed
+    if math.prod(out) != total:
+        text = " x ".join(f"{axis}={n}" for axis, n in zip(MESH_AXES, out))
+        raise ValueError(f"{what} {text} = {math.prod(out)} {unit}, but {total} are "
+                         f"available{context}")
+    return tuple(out)
+
+
+def make_hybrid_mesh(per_slice: Sequence[int] = (1, -1, 1),
+                     across_slices: Sequence[int] = ACROSS_SLICES_DEFAULT,
+                     devices: Sequence | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh every entry point runs on, over one slice or many, with
+    Auto axes (plain indexing of sharded arrays works).
+
+    per_slice: each axis's devices within one slice (or node); across_slices: how many slices
+    (nodes) each axis spans; each may hold one -1 (the rest). Axis sizes are the products.
     """
-    devices = jax.devices() if devices is None else devices
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    fixed = math.prod(n for n in sizes.values() if n != -1)
-    for axis, n in sizes.items():
-        if n == -1:
-            if len(devices) % fixed:
-                raise ValueError(f"mesh {axis}=-1: {len(devices)} devices do not split over the "
-                                 f"other axes' {fixed}")
-            sizes[axis] = len(devices) // fixed
-    wanted = math.prod(sizes.values())
-    if wanted != len(devices):
-        raise ValueError(f"mesh data={sizes['data']} x fsdp={sizes['fsdp']} x tensor="
-                         f"{sizes['tensor']} = {wanted} devices, but {len(devices)} are "
-                         f"available ({jax.default_backend()})")
-    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices)
+    devices = list(jax.devices() if devices is None else devices)
+    grid = device_grid(per_slice, across_slices, devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(per_slice: Sequence[int], across_slices: Sequence[int],
+                devices: Sequence) -> np.ndarray:
+    """make_hybrid_mesh's devices as a [data, fsdp, tensor] array. Several slices go through
+    mesh_utils.create_hybrid_device_mesh: along each axis, index = slice part * in-slice size
+    + in-slice part, so every group of an axis's in-slice part lies within one slice, laid out
+    for the slice's interconnect."""
+    granule, groups = slice_groups(devices)
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError(f"the devices come in {granule} of unequal sizes "
+                         f"{sorted({len(g) for g in groups})}: expected equal ones")
+    across = _resolve(across_slices, len(groups), "mesh across slices:", granule)
+    within = _resolve(per_slice, len(groups[0]), "mesh", context=(
+        f" in each of the {len(groups)} {granule}" if len(groups) > 1 else
+        f" ({devices[0].platform})"))
+    # v5e slices lay out well only if a physical axis may be split (as jax.make_mesh does)
+    split = devices[0].device_kind in ("TPU v5 lite", "TPU v5e")
+    if len(groups) > 1:
+        return mesh_utils.create_hybrid_device_mesh(
+            within, across, devices, process_is_granule=granule == "nodes",
+            allow_split_physical_axes=split)
+    if _cores_share_chips(devices):
+        # v2-v4 topologies list each TensorCore; jax's interconnect-aware layout wants one
+        # device per chip: take them in order.
+        return np.array(devices).reshape(within)
+    return mesh_utils.create_device_mesh(within, devices, allow_split_physical_axes=split)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None, *,
+              across_slices: Sequence[int] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh of these total sizes (one may be -1: the devices the others
+    leave), with Auto axes.
+
+    Over several slices (or GPU nodes) the slices go on `data` unless across_slices says how
+    many each axis spans; each axis's in-slice part is its size over that (make_hybrid_mesh).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    granule, groups = slice_groups(devices)
+    sizes = _resolve((data, fsdp, tensor), len(devices), "mesh",
+                     context=f" ({devices[0].platform})")
+    if across_slices is None:
+        if sizes[0] % len(groups):
+            per_slice = len(devices) // len(groups)
+            raise ValueError(
+                f"mesh data {sizes[0]} x fsdp {sizes[1]} x tensor {sizes[2]} over "
+                f"{len(groups)} {granule} of {per_slice} devices: the {granule} go on the data "
+                f"axis, so data must be a multiple of {len(groups)}, such as data "
+                f"{len(groups)} x fsdp {per_slice} x tensor 1 (or say across_slices)")
+        across_slices = (len(groups), 1, 1)
+    across = _resolve(across_slices, len(groups), "mesh across slices:", granule)
+    if any(n % a for n, a in zip(sizes, across)):
+        raise ValueError(f"mesh sizes {sizes} do not split over {across} {granule}: expected "
+                         "each axis a multiple of its part across them")
+    return make_hybrid_mesh([n // a for n, a in zip(sizes, across)], across, devices)
+
+
+def _cores_share_chips(devices: Sequence) -> bool:
+    """TPU devices that are TensorCores of fewer chips (v2-v4 topologies)."""
+    if devices[0].platform != "tpu":
+        return False
+    chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices}
+    return len(chips) < len(devices)
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int],

@@ -23,6 +23,7 @@ from delta_jax.data.pipeline import (
     to_global_array,
 )
 from delta_jax.data.prepare import prepare
+from delta_jax.sharding import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 T, B = 64, 8
@@ -150,7 +151,7 @@ def test_eval_iterator_is_ordered_and_finite(data_dir):
 
 def test_to_global_array(data_dir):
     batch = next(_iterator(data_dir))
-    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    mesh = make_mesh(data=-1)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
     arrays = to_global_array(batch, sharding)
     for key in ("input_ids", "labels"):

@@ -235,13 +235,17 @@ def test_where_finds_the_smallest_slice(tmp_path):
 
 @needs_libtpu
 def test_multislice_puts_data_across_slices(tmp_path, capsys):
+    """The config's sizes are per slice: the shipped one (data 1, fsdp -1) runs on two slices
+    unchanged, data 2; sizes that do not fit a slice are one line."""
     out = tmp_path / "plan.json"
     args = [*CONFIG, "--topology", "v5p:2x2x1", "--num-slices", "2", "--no-estimate", *TINY]
-    assert main([*args, "--json", str(out), "mesh.data=2", "mesh.fsdp=-1"]) == 0
+    assert main([*args, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["num_devices"] == 8 and row["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert main(args) == 2  # mesh.data=1 cannot span two slices
-    assert "multiple of the number of slices" in capsys.readouterr().err
+    assert main([*args, "--json", str(out), "mesh.data=2", "mesh.fsdp=-1"]) == 0
+    assert json.loads(out.read_text())[0]["mesh"] == {"data": 4, "fsdp": 2, "tensor": 1}
+    assert main([*args, "mesh.fsdp=8"]) == 2
+    assert "but 4 are available in each of the 2 slices" in capsys.readouterr().err
 
 
 def test_worker_survives_a_crashing_call():

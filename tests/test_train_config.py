@@ -76,6 +76,8 @@ def test_overrides_are_typed(tmp_path):
     ("train.grad_accum=3", "train.grad_accum=3 is invalid: expected a divisor of"),
     ("optimizer.decay=some", "optimizer.decay='some' is invalid: expected all or matrices"),
     ("mesh.data=-1", None),
+    ("mesh.dcn_fsdp=-1", "mesh=(-1, -1, 1) is invalid: expected across-slice (dcn_data, "
+                         "dcn_fsdp, dcn_tensor) sizes >= 1 with at most one -1"),
     ("steps", "expected section.key=value"),
 ])
 def test_bad_values_are_rejected_with_the_key(override, message):

@@ -21,7 +21,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from delta_jax.generate import Sampling, generate
 from delta_jax.loading import load_model
 from delta_jax.scoring import encode_pair, loglikelihood
-from delta_jax.sharding import make_mesh
+from delta_jax.sharding import make_hybrid_mesh
 
 
 @register_model("delta_jax")
@@ -32,9 +32,9 @@ class DeltaJaxLM(LM):
                  tensor: int | str | None = None, **harness_options):
         # harness_options: what lm-eval passes to every model (device, max_batch_size, ...).
         super().__init__()
-        sizes = (data, fsdp, tensor)
+        sizes = (data, fsdp, tensor)  # within each slice; the slices go on data
         mesh = (None if sizes == (None, None, None) else
-                make_mesh(*(1 if n is None else int(n) for n in sizes)))
+                make_hybrid_mesh([1 if n is None else int(n) for n in sizes]))
         self.model, self.tokenizer = load_model(
             pretrained, tokenizer=tokenizer, mesh=mesh, **({"dtype": dtype} if dtype else {}))
         if self.tokenizer is None:

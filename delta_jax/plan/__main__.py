@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--topology", required=True,
                    help="v5p:4x4x4, v5e:4x4, v6e:2x4, v4:2x2x1, ... or cpu:N")
     p.add_argument("--num-slices", type=int, default=1,
-                   help="slices joined over DCN (Multislice); mesh.data spans them")
+                   help="slices joined over DCN (Multislice); by default mesh.data spans them "
+                        "(mesh.dcn_data/dcn_fsdp/dcn_tensor say otherwise)")
     p.add_argument("--variants", default=None,
                    help="'all' or residual variants, comma-separated (default: the config's)")
     p.add_argument("--hbm-gib", type=float, default=None,
@@ -118,7 +119,7 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     base = load_config(args.config, args.overrides)
     topology = resolve(args.topology, args.num_slices)
-    mesh_sizes(base, topology.num_devices)  # a mesh that cannot cover it fails before compiling
+    mesh_sizes(base, topology)  # a mesh that cannot cover it fails before compiling
     hbm = (int(args.hbm_gib * GiB) if args.hbm_gib is not None else topology.hbm_per_device)
     peak = (args.peak_tflops * 1e12 if args.peak_tflops is not None
             else topology.peak_flops_per_device

@@ -26,13 +26,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
 from delta_jax.data.pipeline import batch_keys
 from delta_jax.plan.topology import PlanError, Topology, refusal_bytes, resolve
-from delta_jax.sharding import MESH_AXES, batch_sharding, make_mesh
+from delta_jax.sharding import batch_sharding, make_hybrid_mesh
 from delta_jax.train.config import RunConfig
 from delta_jax.train.metrics import memory_total_bytes, train_flops_per_token
 from delta_jax.train.optimizer import make_optimizer, schedules
@@ -112,35 +111,19 @@ def with_variant(model: ModelConfig, variant: str) -> ModelConfig:
         gate_base=model.gate_base if gated and variant in ("block", "full") else "live")
 
 
-def mesh_sizes(run: RunConfig, num_devices: int) -> dict[str, int]:
-    """run.mesh with its -1 axis resolved against num_devices; PlanError if they do not match."""
-    sizes = {axis: getattr(run.mesh, axis) for axis in MESH_AXES}
-    fixed = math.prod(n for n in sizes.values() if n != -1)
-    free = [axis for axis, n in sizes.items() if n == -1]
-    if free and num_devices % fixed == 0:
-        sizes[free[0]] = num_devices // fixed
-    if math.prod(sizes.values()) != num_devices:
-        raise PlanError(f"mesh {sizes} does not cover the topology's {num_devices} devices: "
-                        "expected sizes whose product is that (one may be -1)")
-    return sizes
+def build_mesh(run: RunConfig, topology: Topology) -> Mesh:
+    """run.mesh over the topology's devices, through the builder every entry point uses: its
+    sizes within each slice, the slices on the axes it says (by default data)."""
+    try:
+        return make_hybrid_mesh(run.mesh.per_slice, run.mesh.across_slices, topology.devices)
+    except ValueError as e:
+        slices = f" x {topology.num_slices} slices" if topology.num_slices > 1 else ""
+        raise PlanError(f"{e} (topology {topology.name}{slices})") from None
 
 
-def build_mesh(sizes: dict[str, int], topology: Topology) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the topology; with several slices `data` spans them."""
-    devices = list(topology.devices)
-    if topology.devices_per_chip > 1:
-        # v2-v4 topologies list each TensorCore (jax's ICI-aware layout wants one per chip).
-        grid = np.array(devices).reshape(tuple(sizes.values()))
-        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    if topology.num_slices == 1:
-        return make_mesh(**sizes, devices=devices)
-    if sizes["data"] % topology.num_slices:
-        raise PlanError(f"mesh.data={sizes['data']} is invalid with {topology.num_slices} "
-                        "slices: expected a multiple of the number of slices (data parallelism "
-                        "is what crosses DCN)")
-    per_slice = (sizes["data"] // topology.num_slices, sizes["fsdp"], sizes["tensor"])
-    grid = mesh_utils.create_hybrid_device_mesh(per_slice, (topology.num_slices, 1, 1), devices)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+def mesh_sizes(run: RunConfig, topology: Topology) -> dict[str, int]:
+    """run.mesh's axis sizes on the topology, -1 resolved; PlanError if they do not fit it."""
+    return dict(build_mesh(run, topology).shape)
 
 
 def check_batch(run: RunConfig, sizes: dict[str, int]) -> None:
@@ -223,9 +206,9 @@ def state_bytes(run: RunConfig, topology: Topology) -> int:
 def _prepare(run: RunConfig, topology: Topology):
     """(fields of StepPlan known before compiling, a function that compiles the step)."""
     cfg, train = run.model, run.train
-    sizes = mesh_sizes(run, topology.num_devices)
+    mesh = build_mesh(run, topology)
+    sizes = dict(mesh.shape)
     check_batch(run, sizes)
-    mesh = build_mesh(sizes, topology)
     tx = make_optimizer(run.optimizer, train.steps)
     shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
     graphdef, _ = abstract_graph_and_params(cfg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from delta_jax.train.config import MeshConfig, RunConfig
+from delta_jax.train.config import RunConfig
 
 # Least to most memory saved (each saves a subset of what the previous one keeps).
 REMAT_ORDER = ("none", "save_dots", "save_sublayer_outputs", "full")
@@ -32,7 +32,9 @@ def with_loss_vocab_chunks(run: RunConfig, chunks: int) -> RunConfig:
 
 
 def with_mesh(run: RunConfig, data: int, fsdp: int, tensor: int) -> RunConfig:
-    return dataclasses.replace(run, mesh=MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+    """`run` with these sizes within each slice (the slices, if several, still on data)."""
+    return dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, data=data, fsdp=fsdp,
+                                                             tensor=tensor))
 
 
 def stronger_remat(policy: str) -> tuple[str, ...]:
@@ -58,7 +60,8 @@ def alternatives(run: RunConfig, mesh: dict[str, int]) -> list[tuple[str, RunCon
         out.append((f"train.loss_vocab_chunks={LOSS_VOCAB_CHUNKS}",
                     with_loss_vocab_chunks(run, LOSS_VOCAB_CHUNKS)))
     devices = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
-    if mesh["fsdp"] != devices and run.train.batch_size // accum % devices == 0:
-        out.append((f"mesh.data=1 mesh.fsdp={devices} mesh.tensor=1",
-                    with_mesh(run, 1, devices, 1)))
+    all_fsdp = with_mesh(run, 1, -1, 1)  # every device of a slice; the slices stay on data
+    if (all_fsdp.mesh != run.mesh and mesh["data"] * mesh["tensor"] > 1
+            and run.train.batch_size // accum % devices == 0):
+        out.append(("mesh.data=1 mesh.fsdp=-1 mesh.tensor=1", all_fsdp))
     return out

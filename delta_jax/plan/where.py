@@ -83,7 +83,7 @@ def smallest_fit(run: RunConfig, chip_name: str,
                 plan = compile_memory(candidate, topology.name)
             except CompilerCrash as crash:
                 tried_knobs = knobs_text(candidate.model.remat, candidate.train.grad_accum,
-                                         mesh_sizes(candidate, topology.num_devices))
+                                         mesh_sizes(candidate, topology))
                 print(f"  {topology.name}: {tried_knobs}: skipped, the compiler crashed "
                       f"({crash})", file=sys.stderr, flush=True)
                 crashed.append(f"{topology.name} {tried_knobs}")

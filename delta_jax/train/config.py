@@ -95,10 +95,25 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    # Devices per axis; one axis may be -1 ("all the remaining devices").
+    # Devices per axis within one TPU slice or GPU node (ICI, NVLink); one may be -1 (the rest
+    # of the slice). On one slice these are the mesh.
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # Slices (or nodes) each axis spans over the data-centre network (DCN); one may be -1 (the
+    # slices left). An axis's size is its in-slice part times this. By default every slice goes
+    # on data, so a config written for one slice runs on N unchanged, data N times larger.
+    dcn_data: int = -1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+
+    @property
+    def per_slice(self) -> tuple[int, int, int]:
+        return self.data, self.fsdp, self.tensor
+
+    @property
+    def across_slices(self) -> tuple[int, int, int]:
+        return self.dcn_data, self.dcn_fsdp, self.dcn_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +166,10 @@ class RunConfig:
              self.checkpoint.read_retries, "an integer >= 0"),
             (self.checkpoint.retry_wait_s >= 0, "checkpoint.retry_wait_s",
              self.checkpoint.retry_wait_s, "a number of seconds >= 0"),
-            (sum(getattr(self.mesh, a) == -1 for a in ("data", "fsdp", "tensor")) <= 1
-             and all(getattr(self.mesh, a) == -1 or getattr(self.mesh, a) >= 1
-                     for a in ("data", "fsdp", "tensor")),
-             "mesh", dataclasses.asdict(self.mesh), "sizes >= 1 with at most one -1"),
-        ]
+        ] + [(sizes.count(-1) <= 1 and all(n == -1 or n >= 1 for n in sizes), "mesh", sizes,
+               f"{part} sizes >= 1 with at most one -1") for part, sizes in (
+                  ("in-slice (data, fsdp, tensor)", self.mesh.per_slice),
+                  ("across-slice (dcn_data, dcn_fsdp, dcn_tensor)", self.mesh.across_slices))]
         for ok, key, value, expected in checks:
             if not ok:
                 raise ValueError(f"{key}={value!r} is invalid: expected {expected}")

@@ -30,7 +30,7 @@ from delta_jax.data.pipeline import (
     to_global_array,
 )
 from delta_jax.model.causal_lm import count_params
-from delta_jax.sharding import batch_sharding, make_mesh
+from delta_jax.sharding import batch_sharding, make_hybrid_mesh
 from delta_jax.train import metrics as metrics_lib
 from delta_jax.train import plots
 from delta_jax.train.checkpoints import Checkpointer
@@ -68,8 +68,8 @@ SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat"}
 
 
 def build_mesh(cfg: MeshConfig) -> Mesh:
-    """The configured mesh over all devices of all processes; a -1 axis takes the rest."""
-    return make_mesh(cfg.data, cfg.fsdp, cfg.tensor)
+    """The configured mesh over all devices of all processes, of every slice or node."""
+    return make_hybrid_mesh(cfg.per_slice, cfg.across_slices)
 
 
 def data_source(cfg: RunConfig) -> str | Path:
