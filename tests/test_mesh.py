@@ -130,6 +130,7 @@ def _compile_eval_step(run, topology):
 
 
 @needs_libtpu
+@pytest.mark.slow  # two TPU compiles of the train and eval steps: about 20 s each
 @pytest.mark.parametrize("name,num_slices,residual", [("v5p:2x2x1", 2, "delta"),
                                                       ("v5e:2x2", 4, "delta_block")])
 def test_the_trainer_steps_compile_across_slices(name, num_slices, residual):
