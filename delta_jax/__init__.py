@@ -3,7 +3,28 @@
 The public names resolve lazily, so that `python -m delta_jax.data` and its worker processes do
 not pay for importing jax and flax.
 """
+import glob
 import importlib
+import importlib.util
+import os
+from pathlib import Path
+
+
+def _no_tpu_here() -> bool:
+    """True where libtpu is installed (`make test`, the planner) but no TPU can be attached: no
+    Google PCI device (what jax itself probes), no /dev/accel* or /dev/vfio device."""
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    google = any(Path(vendor).read_text().strip() == "0x1ae0"
+                 for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"))
+    return not (google or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+# Left to probe for a TPU, jax starts libtpu, which prints initialisation errors (E0000 ...
+# TPU_WORKER_HOSTNAMES, "Failed to find host bounds") on a host that has none. There, jax is
+# told the platforms it can use; a TPU host and an explicit JAX_PLATFORMS are left alone.
+if "JAX_PLATFORMS" not in os.environ and _no_tpu_here():
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu"
 
 _EXPORTS = {
     "ModelConfig": "delta_jax.config",
