@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from delta_jax.checkpoint import load_checkpoint
 from delta_jax.cli import mesh_from_args
+from delta_jax.data.corpus import EMBEDDED
 from delta_jax.data.prepare import METADATA
 from delta_jax.data.tokenizers import Tokenizer, get_tokenizer
 from delta_jax.hf.load import CONFIG as HF_CONFIG
@@ -62,11 +63,20 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
 
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = str(path)
-    if tokenizer is None and (path / "config.yaml").is_file():
-        run = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        tokenizer = data_tokenizer((run.get("data") or {}).get("path", "embedded"))
+    run = run_config(path)
+    if tokenizer is None and run is not None:
+        tokenizer = data_tokenizer((run.get("data") or {}).get("path", EMBEDDED))
     tok = get_tokenizer(tokenizer) if tokenizer is not None else None
     return model, tok
+
+
+def run_config(path: str | Path) -> dict | None:
+    """The training run's config.yaml (as a dict) of a run folder, or of a checkpoint directory
+    inside one; None for anything else (a Hugging Face folder)."""
+    for folder in (Path(path), Path(path).parent):
+        if (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir():
+            return yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    return None
 
 
 def load_model_from_args(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer | None]:
@@ -79,7 +89,7 @@ def data_tokenizer(data: str) -> str | None:
     """The tokenizer spec a data source was tokenised with: "embedded" (the trainer's default
     corpus) and tfds: specs without a tokenizer option use "byte"; a prepared directory names
     its own in metadata.json. None when it cannot be told."""
-    if data == "embedded":
+    if data == EMBEDDED:
         return "byte"
     if data.startswith("tfds:"):
         options = urllib.parse.parse_qs(urllib.parse.urlsplit(data[len("tfds:"):]).query)

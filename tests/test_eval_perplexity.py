@@ -6,9 +6,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from delta_jax import ModelConfig, init_model
 from delta_jax.checkpoint import save_checkpoint
+from delta_jax.data.corpus import default_prepared_data
 from delta_jax.data.prepare import prepare
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import TokenStream, perplexity, read_stream, window_starts
@@ -182,3 +184,28 @@ def test_documents_packing_scores_each_document_as_if_alone(model):
     assert concat["tokens"] == len(stream.tokens) - 1 and concat["nll"] != packed["nll"]
     with pytest.raises(ValueError, match="packing='documents' needs the tokenizer"):
         perplexity(model, TokenStream(stream.tokens, None, "no tokenizer"), packing="documents")
+
+
+def test_cli_reads_the_embedded_corpus_with_the_run_s_packing(model, tmp_path, monkeypatch,
+                                                              capsys):
+    """--data embedded is the trainer's default corpus (prepared under ./data/cache), and a
+    training run's packing is eval's default, said on stderr."""
+    run = tmp_path / "run"
+    save_checkpoint(model, run / "checkpoints")
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"data": {"path": "embedded", "packing": "documents"}}))
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", str(run), "--seq-len", "32", "--max-tokens", "300"]
+    result = main([*args, "--data", "embedded"])
+    assert result["packing"] == "documents"
+    assert "packing: documents (the run's data.packing" in capsys.readouterr().err
+    prepared = default_prepared_data(tmp_path / "data" / "cache")
+    assert main([*args, "--data", str(prepared)])["perplexity"] == result["perplexity"]
+    assert main([*args, "--data", "embedded", "--packing", "concat"])["packing"] == "concat"
+    # a checkpoint directory inside the run reads the run's; a bare one is scored as concat
+    assert main(["--model", str(run / "checkpoints"), *args[2:], "--data", "embedded"])[
+        "packing"] == "documents"
+    bare = tmp_path / "bare"
+    save_checkpoint(model, bare)
+    assert main(["--model", str(bare), *args[2:], "--data", "embedded"])["packing"] == "concat"
+    assert "packing: concat (no training run's config.yaml" in capsys.readouterr().err

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="checkpoint dir, run folder or Hugging Face folder (repeatable)")
     parser.add_argument("--label", action="append", help="name per --model (default: residual)")
     parser.add_argument("--data", required=True, nargs="+",
-                        help="a prepared directory, tfds:NAME?..., or text/JSONL/Parquet files")
+                        help="embedded (the demo's corpus), a prepared directory, tfds:NAME?..., "
+                             "or text/JSONL/Parquet files")
     parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
     parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
                         "model folder's, or the prepared data's)")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from delta_jax.data.prepare import METADATA, prepare
 
+EMBEDDED = "embedded"  # what data.path and the tools' --data call this corpus
+DEFAULT_CACHE_DIR = "data/cache"  # where it is built and prepared on first use
 CORPUS_FILE = "stdlib-docstrings.jsonl"
 CORPUS_METADATA = "corpus.json"
 LICENCE = "PSF-2.0 (Python Software Foundation License), as the CPython standard library"

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from delta_jax.data.corpus import DEFAULT_CACHE_DIR, EMBEDDED, default_prepared_data
 from delta_jax.data.pipeline import (
     PACKINGS,
     PreparedSplit,
@@ -52,7 +53,8 @@ class TokenStream:
 
 def read_stream(data: Sequence[str], *, tokenizer: Tokenizer | None = None,
                 split: str = "validation", max_tokens: int | None = None) -> TokenStream:
-    """The token stream of `data`: one prepared directory, one "tfds:..." spec, or text files.
+    """The token stream of `data`: "embedded" (the trainer's default corpus, prepared under
+    data/cache on first use), one prepared directory, one "tfds:..." spec, or text files.
 
     A prepared directory and a TFDS spec carry their own tokenizer (`tokenizer` overrides the
     one used to count bytes); text files are tokenised with `tokenizer`, which they need.
@@ -60,7 +62,10 @@ def read_stream(data: Sequence[str], *, tokenizer: Tokenizer | None = None,
     """
     data = [str(d) for d in data]
     if not data:
-        raise ValueError("no data given: expected a prepared directory, a tfds: spec or text files")
+        raise ValueError("no data given: expected embedded, a prepared directory, a tfds: spec "
+                         "or text files")
+    if data == [EMBEDDED]:
+        data = [str(default_prepared_data(DEFAULT_CACHE_DIR))]
     first, source = data[0], " ".join(data)
     if first.startswith("tfds:") or (Path(first) / METADATA).is_file():
         if len(data) > 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ import jax
 from delta_jax.cli import add_model_arguments, setup_logging, start_processes
 from delta_jax.data.pipeline import PACKINGS
 from delta_jax.eval import perplexity, read_stream
-from delta_jax.loading import load_model_from_args
+from delta_jax.loading import load_model_from_args, run_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,21 +22,34 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--data", required=True, nargs="+",
-                        help="a prepared directory, tfds:NAME?data_dir=..&tokenizer=.., or text/"
-                             "JSONL/Parquet files")
+                        help="embedded (the demo's corpus), a prepared directory, "
+                             "tfds:NAME?data_dir=..&tokenizer=.., or text/JSONL/Parquet files")
     parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
     parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
                         "model folder's, or the prepared data's)")
     parser.add_argument("--seq-len", type=int, default=2048, help="window length T")
     parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    parser.add_argument("--packing", choices=PACKINGS, default="concat",
-                        help="as the model was trained (data.packing): concat lets a window's "
-                             "documents attend to each other, documents keeps them apart "
-                             "(default: concat)")
+    parser.add_argument("--packing", choices=PACKINGS,
+                        help="concat lets a window's documents attend to each other, documents "
+                             "keeps them apart (default: the training run's data.packing, "
+                             "read from its config.yaml; concat for other models)")
     parser.add_argument("--max-tokens", type=int, help="read at most this many tokens")
     parser.add_argument("--output", help="also write the JSON result to this file")
     return parser
+
+
+def run_packing(model: str) -> str:
+    """The packing `model` was trained with: its run's data.packing (a run saved before that key
+    ran with concat), concat for a model without a run; said on stderr."""
+    run = run_config(model)
+    if run is None:
+        packing, why = "concat", "no training run's config.yaml beside the model"
+    else:
+        packing, why = (run.get("data") or {}).get("packing", "concat"), "the run's data.packing"
+    logging.getLogger("delta_jax.eval").info("packing: %s (%s; --packing overrides)", packing,
+                                             why)
+    return packing
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -50,10 +64,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         model, tokenizer = load_model_from_args(args)
         stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                              max_tokens=args.max_tokens)
+        packing = args.packing or run_packing(args.model)
         result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,
                                                     stride=args.stride,
                                                     batch_size=args.batch_size,
-                                                    packing=args.packing)}
+                                                    packing=packing)}
     except (OSError, ValueError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     if jax.process_index() == 0:  # every process computed the same result

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from delta_jax.config import ModelConfig
+from delta_jax.data.corpus import DEFAULT_CACHE_DIR, EMBEDDED
 from delta_jax.data.pipeline import PACKINGS
 
 DECAY_MASKS = ("all", "matrices")
@@ -25,8 +26,8 @@ DECAY_MASKS = ("all", "matrices")
 class DataConfig:
     # "embedded" (the stdlib-docstring corpus, byte tokenizer), a directory written by
     # `python -m delta_jax.data prepare`, or "tfds:NAME?data_dir=...&tokenizer=...".
-    path: str = "embedded"
-    cache_dir: str = "data/cache"  # where "embedded" is built and prepared on first use
+    path: str = EMBEDDED
+    cache_dir: str = DEFAULT_CACHE_DIR  # where "embedded" is built and prepared on first use
     validation_split: str = "validation"
     num_threads: int = 2  # grain read-ahead threads per process
     prefetch: int = 4  # batches read ahead
