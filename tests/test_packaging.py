@@ -1,4 +1,4 @@
-"""pyproject.toml's test extra lists requirements-test.txt's pins, and the package's
+"""pyproject.toml's test and tpu-plan extras list requirements-test.txt's pins, and the package's
 dependencies are requirements.txt's; an installed libtpu stays quiet on a host without a TPU."""
 import os
 import subprocess
@@ -20,7 +20,8 @@ def _pins(name):
 
 def test_pyproject_pins_are_the_requirements_files():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["project"]["optional-dependencies"]["test"] == _pins("requirements-test.txt")
+    extras = project["project"]["optional-dependencies"]
+    assert extras["test"] + extras["tpu-plan"] == _pins("requirements-test.txt")
     assert project["tool"]["setuptools"]["dynamic"]["dependencies"] == {
         "file": ["requirements.txt"]}
     assert _pins("requirements.txt")  # read by setuptools: comments and requirements only
