@@ -30,9 +30,9 @@ def _smoke(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_cli_writes_measured_and_predicted_fields_for_every_variant(tmp_path):
-    out = tmp_path / "smoke.json"
-    done = _smoke("--steps", "2", "--json", str(out), *TINY, "train.seq_len=32",
-                  "train.peak_tflops=1", f"data.cache_dir={tmp_path / 'cache'}")
+    out = tmp_path / "smoke.json"  # the default: <output_dir>/smoke.json
+    done = _smoke("--steps", "2", *TINY, "train.seq_len=32", "train.peak_tflops=1",
+                  f"output_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}")
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [(r["variant"], r["attention"]) for r in report["rows"]] == [
@@ -102,3 +102,18 @@ def test_bad_input_is_one_error_line_and_exit_2(args, names, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("error: ") and names in errors[0], \
         done.stderr
     assert done.stdout == ""
+
+
+def test_each_kernel_takes_only_the_runs_it_can():
+    """cudnn: concat packing for both attentions (it takes no segment ids) and bfloat16 or
+    float16 compute; splash: a sequence length its smallest block divides. Refused before
+    anything compiles."""
+    documents = load_config(None, [*TINY, "train.seq_len=128", "model.dtype=bfloat16"])
+    run, note = smoke.for_kernel(documents, "cudnn")
+    assert run.data.packing == "concat" and "concat" in note
+    assert list(smoke.variant_runs(run, "delta", "cudnn")) == ["xla", "cudnn"]
+    assert smoke.for_kernel(documents, "splash") == (documents, None)
+    with pytest.raises(ValueError, match="dtype=.float32.*--no-kernel"):
+        smoke.variant_runs(load_config(None, TINY), "delta", "cudnn")
+    with pytest.raises(ValueError, match="T=32"):
+        smoke.variant_runs(load_config(None, [*TINY, "train.seq_len=32"]), "delta", "splash")

@@ -8,8 +8,8 @@ none). Each run reports its measured step time (median of the `steps` timed step
 and the warmup steps excluded), tokens/s, MFU and the device's peak memory, beside what
 delta_jax.plan.compile predicts for the same step compiled for the devices present: bytes per
 device (memory_analysis's total and the compiler's live peak) and XLA's cost-model step time
-(an estimate, where XLA gives one). The losses and gradient norms of a variant's two runs, step by
-step, must agree within TOLERANCE of the compute dtype.
+(an estimate, where XLA gives one). The losses and gradient norms of a variant's two runs,
+step by step, must agree within TOLERANCE of the compute dtype.
 
 The data are the trainer's: the run's data.path through its pipeline (data.path=embedded, the
 built-in corpus, needs no preparation). The runs train at the config's peak learning rate from
@@ -60,8 +60,8 @@ SMOKE_OVERRIDES = ("optimizer.warmup_steps=0",)
 def default_overrides(device_count: int) -> list[str]:
     """The default run: a 4-layer, d 256 model of bfloat16 compute (cudnn's dtype) at T 512 (a
     multiple of splash's 128), 8 sequences per device, on the built-in corpus (byte tokenizer,
-    vocabulary 384) with concat packing (cudnn takes no segment ids). A second or less a step on
-    any accelerator; its point is that everything works, not the numbers."""
+    vocabulary 384) with concat packing (cudnn takes no segment ids). Its point is that
+    everything works, not the numbers."""
     return ["output_dir=runs/smoke", "model.vocab_size=384", "model.hidden_size=256",
             "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
             "model.head_dim=64", "model.intermediate_size=1024", "model.num_blocks=2",
@@ -89,9 +89,12 @@ def variant_runs(run: RunConfig, variant: str, kernel: str | None) -> dict[str, 
     model = with_variant(run.model, variant)
     runs = {"xla": dataclasses.replace(run, model=model.replace(attention="xla"))}
     if kernel is not None:
-        if kernel == "splash":
-            splash_block(run.train.seq_len)
-        runs[kernel] = dataclasses.replace(run, model=model.replace(attention=kernel))
+        try:
+            if kernel == "splash":
+                splash_block(run.train.seq_len)
+            runs[kernel] = dataclasses.replace(run, model=model.replace(attention=kernel))
+        except ValueError as err:
+            raise ValueError(f"{err}; or run xla attention only (--no-kernel)") from None
     return runs
 
 
@@ -125,6 +128,7 @@ def device_peak_bytes() -> int | None:
 
 
 def device_bytes_limit() -> int | None:
+    """What the allocator of this process's first device may hold (None on CPUs)."""
     stats = jax.local_devices()[0].memory_stats()
     return stats.get("bytes_limit") if stats else None
 
@@ -133,8 +137,8 @@ def measure(run: RunConfig, batches: list[dict[str, jax.Array]], warmup: int) ->
     """Compile the trainer's step for `run` and run it once per batch from the run's initial
     state: {"compile_s", "step_time_s" (median over the batches after the first `warmup`),
     "tokens_per_s", "analytic_flops" (the model's count for the global step), "mfu" (None
-    without a known peak), "losses", "grad_norms" (one per step),
-    "device_peak_bytes", "device_peak_exact"}."""
+    without a known peak), "losses", "grad_norms" (one per step), "device_peak_bytes",
+    "device_peak_exact"}."""
     cfg, train = run.model, run.train
     mesh = build_mesh(run.mesh)
     tx = make_optimizer(run.optimizer, train.steps)

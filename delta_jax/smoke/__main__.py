@@ -17,6 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+
+from delta_jax import smoke
 from delta_jax.cli import initialize_distributed, setup_logging
 from delta_jax.config import RESIDUALS
 from delta_jax.train.config import RunConfig, load_config
@@ -29,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a run YAML (configs/*.yaml); default: a small model "
                                          "on the built-in corpus")
-    parser.add_argument("--variants", default="baseline,delta,delta_block",
+    parser.add_argument("--variants", default=",".join(smoke.VARIANTS),
                         help=f"comma-separated, of {', '.join(RESIDUALS)}")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before the timed ones")
@@ -41,10 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, device_count: int) -> RunConfig:
-    from delta_jax.smoke import SMOKE_OVERRIDES, default_overrides
-
-    base = [] if args.config else default_overrides(device_count)
-    return load_config(args.config, [*base, *SMOKE_OVERRIDES, *args.overrides])
+    base = [] if args.config else smoke.default_overrides(device_count)
+    return load_config(args.config, [*base, *smoke.SMOKE_OVERRIDES, *args.overrides])
 
 
 def _variants(text: str) -> list[str]:
@@ -54,6 +55,18 @@ def _variants(text: str) -> list[str]:
         raise ValueError(f"--variants {text!r}: unknown {', '.join(unknown) or 'empty list'}; "
                          f"expected some of {', '.join(RESIDUALS)}")
     return names
+
+
+def _write_and_print(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    device = report["device"]
+    memory = ("none on this platform" if report["rows"][0]["device_peak_bytes"] is None
+              else "device.memory_stats()")
+    print(f"{device['num_devices']} x {device['device_kind']} ({device['platform']}, "
+          f"{device['num_processes']} process(es)); memory statistics: {memory}")
+    print("\n".join(report["notes"] + [smoke.format_table(report)]
+                    + smoke.agreement_lines(report) + [f"written to {out}"]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if run.distributed.enabled:
         d = run.distributed
         initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
-    import jax
-
-    from delta_jax import smoke
-
     try:
         run = _config(args, jax.device_count())
         report = smoke.run_smoke(run, variants, steps=args.steps, warmup=args.warmup,
@@ -83,16 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if jax.process_index() == 0:
-        out = args.json or Path(run.output_dir) / "smoke.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        device = report["device"]
-        print(f"{device['num_devices']} x {device['device_kind']} ({device['platform']}, "
-              f"{device['num_processes']} process(es)); memory statistics: "
-              + ("none on this platform" if report["rows"][0]["device_peak_bytes"] is None
-                 else "device.memory_stats()"))
-        print("\n".join(report["notes"] + [smoke.format_table(report)]
-                        + smoke.agreement_lines(report) + [f"written to {out}"]), flush=True)
+        _write_and_print(report, args.json or Path(run.output_dir) / "smoke.json")
     return 0 if report["ok"] else EXIT_DISAGREE
 
 
