@@ -117,3 +117,37 @@ def test_each_kernel_takes_only_the_runs_it_can():
         smoke.variant_runs(load_config(None, TINY), "delta", "cudnn")
     with pytest.raises(ValueError, match="T=32"):
         smoke.variant_runs(load_config(None, [*TINY, "train.seq_len=32"]), "delta", "splash")
+
+
+@pytest.mark.slow
+def test_a_run_out_of_memory_is_reported_not_raised(tmp_path, monkeypatch, capsys):
+    """The device's refusal (RESOURCE_EXHAUSTED, here raised for the kernel's run as a GPU
+    raises it) becomes that row's result beside the planner's prediction; the variant's
+    comparison is skipped, not failed."""
+    monkeypatch.setattr(smoke, "KERNELS", {"cpu": "splash"})
+    allocate = smoke.init_state
+
+    def init_or_refuse(cfg, *args):
+        if cfg.attention == "splash":
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.00GiB.\ndetails")
+        return allocate(cfg, *args)
+
+    monkeypatch.setattr(smoke, "init_state", init_or_refuse)
+    out = tmp_path / "smoke.json"
+    status = main(["--variants", "baseline", "--steps", "1", "--json", str(out), *TINY,
+                   "train.seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert status == 0
+    report = json.loads(out.read_text())
+    xla, refused = report["rows"]
+    assert xla["measured_oom"] is None and xla["step_time_s"] > 0
+    assert refused["measured_oom"] == ("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                       "allocate 9.00GiB.")
+    assert refused["step_time_s"] is None and refused["losses"] is None
+    assert refused["predicted_total_bytes"] > 0
+    assert report["agreement"] == [{"variant": "baseline", "kernel": "splash",
+                                    "skipped": "a run ran out of memory"}]
+    printed = capsys.readouterr().out
+    assert "skipped: baseline splash vs xla not compared" in printed
+    (row,) = [line for line in printed.splitlines() if line.startswith("baseline     splash")]
+    assert row.split()[-1] == "OOM"

@@ -133,12 +133,10 @@ def device_bytes_limit() -> int | None:
     return stats.get("bytes_limit") if stats else None
 
 
-def measure(run: RunConfig, batches: list[dict[str, jax.Array]], warmup: int) -> dict[str, Any]:
-    """Compile the trainer's step for `run` and run it once per batch from the run's initial
-    state: {"compile_s", "step_time_s" (median over the batches after the first `warmup`),
-    "tokens_per_s", "analytic_flops" (the model's count for the global step), "mfu" (None
-    without a known peak), "losses", "grad_norms" (one per step), "device_peak_bytes",
-    "device_peak_exact"}."""
+def _run_steps(run: RunConfig, batches: list[dict[str, jax.Array]]
+               ) -> tuple[float, list[float], list[dict[str, float]]]:
+    """(compile seconds, each step's wall seconds, each step's metrics) of the trainer's step
+    for `run`, one step per batch from the run's initial state."""
     cfg, train = run.model, run.train
     mesh = build_mesh(run.mesh)
     tx = make_optimizer(run.optimizer, train.steps)
@@ -146,7 +144,6 @@ def measure(run: RunConfig, batches: list[dict[str, jax.Array]], warmup: int) ->
     step_fn = make_train_step(abstract_graph_and_params(cfg)[0], tx,
                               schedules(run.optimizer, train.steps), train.grad_accum,
                               shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks)
-    peak_before = device_peak_bytes()
     with jax.set_mesh(mesh):
         state = init_state(cfg, tx, shardings, run.seed)
         start = time.perf_counter()
@@ -159,25 +156,42 @@ def measure(run: RunConfig, batches: list[dict[str, jax.Array]], warmup: int) ->
             jax.block_until_ready(step_metrics["loss"])
             times.append(time.perf_counter() - start)
             metrics.append(step_metrics)
-    del state
-    fetched = jax.device_get(metrics)
-    step_s = statistics.median(times[warmup:])
-    tokens_per_s = train.batch_size * train.seq_len / step_s
-    peak_flops = device_peak_flops(jax.devices()[0].device_kind, train.peak_tflops)
+    return compile_s, times, jax.device_get(metrics)
+
+
+def measure(run: RunConfig, batches: list[dict[str, jax.Array]], warmup: int) -> dict[str, Any]:
+    """Run the trainer's step for `run` once per batch: {"compile_s", "step_time_s" (median
+    over the batches after the first `warmup`), "tokens_per_s", "analytic_flops" (the model's
+    count for the global step), "mfu" (None without a known peak), "losses", "grad_norms" (one
+    per step), "device_peak_bytes", "device_peak_exact", "measured_oom"}. A run the device has
+    no memory for (RESOURCE_EXHAUSTED) is a result too: measured_oom holds the first line of
+    the error and the timings and losses are None."""
+    train = run.train
+    tokens = train.batch_size * train.seq_len
+    result = dict.fromkeys(("compile_s", "step_time_s", "tokens_per_s", "mfu", "losses",
+                            "grad_norms", "measured_oom"))
+    result["analytic_flops"] = train_flops_per_token(run.model, train.seq_len) * tokens
+    peak_before = device_peak_bytes()
+    try:
+        compile_s, times, metrics = _run_steps(run, batches)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        result["measured_oom"] = str(e).strip().splitlines()[0]
+    else:
+        step_s = statistics.median(times[warmup:])
+        peak_flops = device_peak_flops(jax.devices()[0].device_kind, train.peak_tflops)
+        result.update(
+            compile_s=compile_s, step_time_s=step_s, tokens_per_s=tokens / step_s,
+            mfu=None if peak_flops is None else (
+                result["analytic_flops"] / step_s / (peak_flops * jax.device_count())),
+            losses=[float(m["loss"]) for m in metrics],
+            grad_norms=[float(m["grad_norm"]) for m in metrics])
     peak_after = device_peak_bytes()
-    analytic_flops = train_flops_per_token(cfg, train.seq_len) * train.batch_size * train.seq_len
-    return {
-        "compile_s": compile_s, "step_time_s": step_s, "tokens_per_s": tokens_per_s,
-        "analytic_flops": analytic_flops,
-        "mfu": None if peak_flops is None else (
-            analytic_flops / step_s / (peak_flops * jax.device_count())),
-        "losses": [float(m["loss"]) for m in fetched],
-        "grad_norms": [float(m["grad_norm"]) for m in fetched],
-        "device_peak_bytes": peak_after,
-        # The high-water mark is this run's only if the run raised it.
-        "device_peak_exact": None if peak_after is None else (
-            peak_before is None or peak_after > peak_before),
-    }
+    # The high-water mark is this run's only if the run raised it.
+    result.update(device_peak_bytes=peak_after, device_peak_exact=None if peak_after is None
+                  else peak_before is None or peak_after > peak_before)
+    return result
 
 
 def predict(run: RunConfig, topology: Topology) -> dict[str, Any]:
@@ -210,19 +224,21 @@ def smoke_variant(run: RunConfig, variant: str, kernel: str | None, topology: To
                "layer_driver": one.model.layer_driver, "remat": one.model.remat}
         row.update(measure(one, batches, warmup))
         row.update(predict(one, topology))
-        logger.info("%s, attention %s: %.1f ms a step (XLA's estimate %s), loss %.4f -> %.4f",
-                    variant, attention, 1e3 * row["step_time_s"],
+        logger.info("%s, attention %s: %s (XLA's estimate %s)", variant, attention,
+                    row["measured_oom"] or f"{1e3 * row['step_time_s']:.1f} ms a step, loss "
+                    f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}",
                     "none" if row["estimated_step_s"] is None
-                    else f"{1e3 * row['estimated_step_s']:.1f} ms",
-                    row["losses"][0], row["losses"][-1])
+                    else f"{1e3 * row['estimated_step_s']:.1f} ms")
         rows.append(row)
     if kernel is None:
         return {"rows": rows, "agreement": None}
     xla, ours = rows
+    found = {"variant": variant, "kernel": kernel}
+    if xla["measured_oom"] or ours["measured_oom"]:
+        return {"rows": rows, "agreement": {**found, "skipped": "a run ran out of memory"}}
     dtype = run.model.dtype
     return {"rows": rows, "agreement": {
-        "variant": variant, "kernel": kernel,
-        "loss": agreement(xla["losses"], ours["losses"], dtype),
+        **found, "skipped": None, "loss": agreement(xla["losses"], ours["losses"], dtype),
         "grad_norm": agreement(xla["grad_norms"], ours["grad_norms"], dtype)}}
 
 
@@ -267,7 +283,12 @@ def run_smoke(run: RunConfig, variants: list[str], *, steps: int, warmup: int,
     return {"device": device_summary(topology), "kernel": kernel, "notes": notes,
             "mesh": sizes, "config": run.to_dict(), "steps": steps, "warmup": warmup,
             "rows": [row for r in results for row in r["rows"]], "agreement": agreements,
-            "ok": all(a["loss"]["ok"] and a["grad_norm"]["ok"] for a in agreements)}
+            "ok": all(agrees(a) is not False for a in agreements)}
+
+
+def agrees(found: dict[str, Any]) -> bool | None:
+    """Whether a kernel's losses and gradient norms agreed with xla's; None if not compared."""
+    return None if found["skipped"] else found["loss"]["ok"] and found["grad_norm"]["ok"]
 
 
 def _mib(value: int | None) -> str:
@@ -276,32 +297,39 @@ def _mib(value: int | None) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """One row per (variant, attention): measured beside predicted. A device peak that an
-    earlier run of the process set (so this run's is at most that) is marked "<="."""
+    earlier run of the process set (so this run's is at most that) is marked "<="; a run the
+    device had no memory for shows OOM as its loss."""
     header = (f"{'variant':12} {'attention':9} {'step ms':>9} {'est ms':>8} {'tokens/s':>11} "
               f"{'MFU':>6} {'peak MiB':>9} {'pred MiB':>9} {'live MiB':>9} {'loss':>8}")
     lines = [header, "-" * len(header)]
     for r in report["rows"]:
         estimate = "-" if r["estimated_step_s"] is None else f"{1e3 * r['estimated_step_s']:.1f}"
+        step = "-" if r["step_time_s"] is None else f"{1e3 * r['step_time_s']:.1f}"
+        tokens = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = _mib(r["device_peak_bytes"])
         if r["device_peak_exact"] is False:
             peak = "<=" + peak
+        loss = "OOM" if r["measured_oom"] else f"{r['losses'][-1]:.4f}"
         lines.append(
-            f"{r['variant']:12} {r['attention']:9} {1e3 * r['step_time_s']:>9.1f} "
-            f"{estimate:>8} {r['tokens_per_s']:>11,.0f} {mfu:>6} {peak:>9} "
-            f"{_mib(r['predicted_total_bytes']):>9} {_mib(r['predicted_live_peak_bytes']):>9} "
-            f"{r['losses'][-1]:>8.4f}")
+            f"{r['variant']:12} {r['attention']:9} {step:>9} {estimate:>8} {tokens:>11} "
+            f"{mfu:>6} {peak:>9} {_mib(r['predicted_total_bytes']):>9} "
+            f"{_mib(r['predicted_live_peak_bytes']):>9} {loss:>8}")
     return "\n".join(lines)
 
 
 def agreement_lines(report: dict[str, Any]) -> list[str]:
-    """One "ok"/"FAIL" line per variant run with a kernel."""
+    """One "ok", "FAIL" or "skipped" line per variant run with a kernel."""
     lines = []
     for a in report["agreement"]:
-        ok = a["loss"]["ok"] and a["grad_norm"]["ok"]
+        verdict = agrees(a)
+        if verdict is None:
+            lines.append(f"skipped: {a['variant']} {a['kernel']} vs xla not compared: "
+                         f"{a['skipped']}")
+            continue
         lines.append(
-            f"{'ok' if ok else 'FAIL'}: {a['variant']} {a['kernel']} vs xla: losses differ by "
-            f"{a['loss']['max_rel_diff']:.2e}, gradient norms by "
+            f"{'ok' if verdict else 'FAIL'}: {a['variant']} {a['kernel']} vs xla: losses differ "
+            f"by {a['loss']['max_rel_diff']:.2e}, gradient norms by "
             f"{a['grad_norm']['max_rel_diff']:.2e} at most (relative; tolerance "
             f"{a['loss']['tolerance']:.0e} for {report['config']['model']['dtype']})")
     return lines
