@@ -151,3 +151,30 @@ def test_a_run_out_of_memory_is_reported_not_raised(tmp_path, monkeypatch, capsy
     assert "skipped: baseline splash vs xla not compared" in printed
     (row,) = [line for line in printed.splitlines() if line.startswith("baseline     splash")]
     assert row.split()[-1] == "OOM"
+
+
+@pytest.mark.slow
+def test_two_processes_measure_what_one_does(tmp_path):
+    """launch/local.sh 2 (two JAX processes, one CPU device each, as two hosts): each reads its
+    rows of the same batches, the mesh spans both, process 0 alone writes the JSON, and the
+    losses are a one-process run's on as many devices."""
+    args = ["--variants", "baseline", "--steps", "1", *TINY, "train.seq_len=32",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([str(ROOT / "launch/local.sh"), "2", "--module", "delta_jax.smoke",
+                           "--json", str(tmp_path / "two.json"), *args],
+                          env={**env, "CPU_DEVICES": "2", "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[p0] written to" in done.stdout and "[p1] written to" not in done.stdout
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["device"]["num_processes"] == 2 and two["mesh"]["data"] == 2
+    one = subprocess.run([sys.executable, "-m", "delta_jax.smoke", "--json",
+                          str(tmp_path / "one.json"), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900,
+                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert one.returncode == 0, one.stderr[-3000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert one["device"]["num_processes"] == 1 and one["mesh"]["data"] == 2
+    (row_two,), (row_one,) = two["rows"], one["rows"]
+    assert row_two["losses"] == pytest.approx(row_one["losses"], rel=1e-6)

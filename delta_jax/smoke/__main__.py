@@ -1,7 +1,8 @@
 """The first thing to run on a new TPU slice or GPU node (docs/first_run.md):
 
     python -m delta_jax.smoke [--config configs/220m.yaml] [--variants baseline,delta]
-        [--steps 5] [--warmup 1] [--no-kernel] [--json OUT] [section.key=value ...]
+        [--steps 5] [--warmup 1] [--no-kernel] [--json OUT] [--distributed [HOST:PORT,N,I]]
+        [section.key=value ...]
 
 Runs a few train steps of each variant with XLA's attention and with the accelerator's kernel
 (splash on TPU, cudnn on GPU), checks that their losses agree, and prints the measured step
@@ -20,7 +21,7 @@ from pathlib import Path
 import jax
 
 from delta_jax import smoke
-from delta_jax.cli import initialize_distributed, setup_logging
+from delta_jax.cli import DISTRIBUTED_HELP, initialize_distributed, setup_logging, start_processes
 from delta_jax.config import RESIDUALS
 from delta_jax.train.config import RunConfig, load_config
 
@@ -39,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-kernel", action="store_true",
                         help="xla attention only (skip the accelerator's kernel)")
     parser.add_argument("--json", type=Path, help="default: <output_dir>/smoke.json")
+    parser.add_argument("--distributed", nargs="?", const="auto", metavar="HOST:PORT,N,I",
+                        help=DISTRIBUTED_HELP + "; or distributed.enabled=true, as the trainer")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser
 
@@ -78,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--steps {args.steps} --warmup {args.warmup}: expected steps >= 1 "
                              "and warmup >= 0")
         run = _config(args, 1)  # checks the config before any device is touched
+        if args.distributed is not None:
+            start_processes(args)
+        elif run.distributed.enabled:
+            d = run.distributed
+            initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if run.distributed.enabled:
-        d = run.distributed
-        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
     try:
         run = _config(args, jax.device_count())
         report = smoke.run_smoke(run, variants, steps=args.steps, warmup=args.warmup,
