@@ -246,7 +246,7 @@ def checked_mesh(run: RunConfig, topology: Topology) -> dict[str, int]:
     """The run's mesh sizes on the devices present; ValueError (PlanError) before anything
     compiles where they do not cover the devices or the batch does not split over data x
     fsdp."""
-    sizes = mesh_sizes(run, topology.num_devices)
+    sizes = mesh_sizes(run, topology)
     check_batch(run, sizes)
     return sizes
 
