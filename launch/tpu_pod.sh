@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# launch/tpu_pod.sh setup|train TPU_NAME ZONE [--config FILE] [section.key=value ...]
+# launch/tpu_pod.sh setup|smoke|train TPU_NAME ZONE [--config FILE] [section.key=value ...]
 #
 # Runs on every worker of a Cloud TPU VM pod slice through
 # `gcloud compute tpus tpu-vm ssh --worker=all`; each worker is one JAX process and
 # jax.distributed.initialize() finds the others from the TPU metadata.
 #   setup  copy this repository to ~/delta_jax on every worker and install jax[tpu] there
+#   smoke  the first run on a new slice (docs/first_run.md): `python -m delta_jax.smoke ARGS`
+#          on every worker, its JSON in ~/delta_jax/runs/smoke/ on worker 0
 #   train  start `python -m delta_jax.train ARGS` on every worker; pass
 #          checkpoint.directory=gs://BUCKET/RUN so that all workers write one checkpoint
 #          (metrics, TensorBoard events and plots stay in output_dir on worker 0)
 # Environment: PROJECT (gcloud --project, optional).
 set -euo pipefail
 
-if [[ $# -lt 3 || ( $1 != setup && $1 != train ) ]]; then
-  echo "usage: launch/tpu_pod.sh setup|train TPU_NAME ZONE [--config FILE] [key=value ...]" >&2
+if [[ $# -lt 3 || ( $1 != setup && $1 != smoke && $1 != train ) ]]; then
+  echo "usage: launch/tpu_pod.sh setup|smoke|train TPU_NAME ZONE [--config FILE] [key=value ...]" >&2
   exit 2
 fi
 command=$1 tpu=$2 zone=$3
@@ -33,6 +35,10 @@ case $command in
       cd ~/delta_jax && python3 -m venv .venv && \
       sed 's/jax\[cpu\]/jax[tpu]/' requirements.txt > /tmp/requirements-tpu.txt && \
       .venv/bin/pip install -q -r /tmp/requirements-tpu.txt gcsfs"  # gcsfs: gs:// paths
+    ;;
+  smoke)
+    on_all_workers "cd ~/delta_jax && .venv/bin/python -m delta_jax.smoke \
+      --json runs/smoke/\$(hostname).json $(printf '%q ' "$@") distributed.enabled=true"
     ;;
   train)
     # Quote the arguments once for the remote shell.
