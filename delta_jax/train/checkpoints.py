@@ -7,6 +7,11 @@ model) plus
   opt_state  the optax state (StandardSave)
   run        {"step", "seed", "config": the whole RunConfig} (JsonSave)
   data       the grain iterator's state, one file per process (grain.checkpoint)
+Permanent checkpoints (every checkpoint.every steps, and the run's last step) are kept, the
+newest checkpoint.keep of them; any other save (a temporary one, every checkpoint.every_minutes,
+or one on a stop signal) is kept only while it is the newest: Orbax deletes it once a newer one
+is committed, never before. Which is which follows from the step number alone, so a restarted
+run treats what an earlier one saved the same way.
 Saves are asynchronous: `save` returns once the arrays are copied to host memory, so the next
 step may donate them. Orbax finalises a step directory atomically, so `latest_step` only ever
 names a complete checkpoint (a save killed midway leaves a temporary directory, removed at the
@@ -19,6 +24,7 @@ one that saved.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -44,14 +50,37 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclasses.dataclass
+class KeepPermanentAndNewest(ocp.checkpoint_managers.PreservationPolicy):
+    """Orbax's choice of the checkpoints to keep after a save commits: the newest `keep`
+    permanent ones (steps that are multiples of `every` > 0, and `last_step`) and the newest
+    of all."""
+
+    every: int
+    keep: int
+    last_step: int | None
+
+    def is_permanent(self, step: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or step == self.last_step
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        steps = [info.step for info in checkpoints]
+        permanent = sorted(s for s in steps if self.is_permanent(s))[-self.keep:]
+        kept = {*permanent, max(steps, default=None)}
+        return [s in kept for s in steps]
+
+
 class Checkpointer:
-    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig):
+    def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig,
+                 last_step: int | None = None):
+        """`last_step`: the run's train.steps, whose checkpoint is permanent."""
         path = epath.Path(directory)
         self.directory = path if "://" in str(directory) else path.absolute()
+        self.policy = KeepPermanentAndNewest(cfg.every, cfg.keep, last_step)
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(
-                max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
-                cleanup_tmp_directories=True))
+                preservation_policy=self.policy, enable_async_checkpointing=cfg.async_save,
+                create=True, cleanup_tmp_directories=True))
         self.read_retries, self.retry_wait_s = cfg.read_retries, cfg.retry_wait_s
 
     def _read(self, step: int, what: str, read: Callable[[], T]) -> T:

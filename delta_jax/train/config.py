@@ -83,8 +83,11 @@ class OptimizerConfig:
 class CheckpointConfig:
     # None = <output_dir>/checkpoints; may be a bucket (gs://...) that every host reaches.
     directory: str | None = None
-    every: int = 1000  # steps between saves; 0 = only at the end
-    keep: int = 3  # newest checkpoints kept
+    every: int = 1000  # steps between permanent saves; 0 = only at the end
+    keep: int = 3  # newest permanent checkpoints kept
+    # A temporary checkpoint once this many minutes have passed since the last save; each
+    # replaces the previous temporary one once it is written. 0 = none (docs/recovery.md).
+    every_minutes: float = 15.0
     async_save: bool = True
     # Continue from the newest complete checkpoint; false refuses to start over existing ones.
     resume: bool = True
@@ -163,6 +166,9 @@ class RunConfig:
             (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
              "an integer >= 1"),
+            (self.checkpoint.every_minutes >= 0, "checkpoint.every_minutes",
+             self.checkpoint.every_minutes, "a number of minutes >= 0 (0: no temporary "
+             "checkpoints)"),
             (self.checkpoint.read_retries >= 0, "checkpoint.read_retries",
              self.checkpoint.read_retries, "an integer >= 0"),
             (self.checkpoint.retry_wait_s >= 0, "checkpoint.retry_wait_s",

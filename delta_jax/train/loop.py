@@ -146,7 +146,7 @@ class Trainer:
             check_writable(self.out, 0)
         check_writable(checkpoint_dir, state_bytes(
             abstract_state(self.model_cfg, self.tx, self.shardings)))
-        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint)
+        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, cfg.train.steps)
         try:
             self.data = data_source(cfg)
             self.train_iter = build_batch_iterator(
@@ -171,6 +171,8 @@ class Trainer:
                                                         cfg.train.peak_tflops)
         self.last_routing: dict[str, Any] | None = None
         self.skipped_in_a_row, self.skipped_total = 0, 0
+        # The step of the newest checkpoint started by this run (or resumed from), and when.
+        self.last_saved, self.saved_at = 0, time.monotonic()
 
     # State ------------------------------------------------------------------------------
     def initial_state(self) -> tuple[TrainState, str]:
@@ -307,7 +309,7 @@ class Trainer:
 
     def _loop(self, state: TrainState, start: int, writer, signals: StopSignals
               ) -> dict[str, Any]:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         batches = _global_batches(self.train_iter, self.batch_sharding)
         began = time.perf_counter()
         compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
@@ -320,14 +322,15 @@ class Trainer:
                             "GiB live at the peak", memory[0] / 2**30, memory[1] / 2**30)
         if start == 0:
             writer.write(0, t.steps, self.evaluate(state.params))
-        window, first_loss, train_s, last_saved, record = [], None, 0.0, start, {}
+        window, first_loss, train_s, record = [], None, 0.0, {}
+        self.last_saved, self.saved_at = start, time.monotonic()
         # Step time is wall time between logs less `paused`: evaluation, checkpointing, logging.
         window_start, paused = time.perf_counter(), 0.0
         previous = None  # (step, metrics) of the step before, checked once this one is queued
         for step in range(start + 1, t.steps + 1):
             state, step_metrics = compiled(state, next(batches))
             if previous is not None:
-                self._check_finite(*previous, last_saved)
+                self._check_finite(*previous)
             previous = (step, step_metrics)
             window.append(step_metrics)
             last = step == t.steps
@@ -349,26 +352,17 @@ class Trainer:
                 record["routing"] = self.routing(state.params)
             if record:
                 writer.write(step, t.steps, record)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or last:
-                self._save(state)
-                last_saved = step
+            self._checkpoint(state, step, signals)
             paused += time.perf_counter() - began
-            if step < t.steps and self._stop_requested(signals):
-                if last_saved != step:
-                    self._save(state)
-                    last_saved = step
-                self.checkpointer.wait()
-                raise Preempted(signals.received or signal.SIGTERM, step,
-                                str(self.checkpointer.directory / str(step)))
         if previous is not None:
-            self._check_finite(*previous, last_saved)
+            self._check_finite(*previous)
         if start >= t.steps:  # nothing left to train: report on the final state
             record = self.evaluate(state.params)
             if self.model_cfg.has_routing:
                 record["routing"] = self.routing(state.params)
         return {"steps": t.steps, "start_step": start, "compile_s": compile_s,
                 "train_s": train_s, "first_loss": first_loss,
-                "final": {**record, "step": t.steps}, "last_saved": last_saved}
+                "final": {**record, "step": t.steps}, "last_saved": self.last_saved}
 
     @staticmethod
     def _log_device_peak(memory: tuple[int, int] | None, step: int) -> None:
@@ -379,19 +373,44 @@ class Trainer:
         if text is not None:
             logger.info("after step %d: %s", step, text)
 
-    def _save(self, state: TrainState) -> None:
+    def _checkpoint(self, state: TrainState, step: int, signals: StopSignals) -> None:
+        """Save `step` if a checkpoint is due: permanent every checkpoint.every steps and at the
+        last, temporary once checkpoint.every_minutes have passed since the last save, and on a
+        stop signal (then raise Preempted)."""
+        every, last = self.cfg.checkpoint.every, step == self.cfg.train.steps
+        if (every and step % every == 0) or last:
+            self._save(state, step)
+        if last:
+            return
+        stop, temporary = self._requests(signals)
+        if (stop or temporary) and self.last_saved != step:
+            if temporary and self.is_main:
+                logger.info("step %d: temporary checkpoint, %.1f minutes after the last save",
+                            step, (time.monotonic() - self.saved_at) / 60)
+            self._save(state, step)
+        if stop:
+            self.checkpointer.wait()
+            raise Preempted(signals.received or signal.SIGTERM, step,
+                            str(self.checkpointer.directory / str(step)))
+
+    def _save(self, state: TrainState, step: int) -> None:
         self.checkpointer.save(state, self.train_iter, self.model_cfg,
                                {"seed": self.cfg.seed, "config": self.cfg.to_dict()})
+        self.last_saved, self.saved_at = step, time.monotonic()
 
-    def _stop_requested(self, signals: StopSignals) -> bool:
-        """Whether any process got SIGTERM/SIGINT. With several processes this is agreed on
-        every step (a small all-gather), since the checkpoint they then write is collective."""
+    def _requests(self, signals: StopSignals) -> tuple[bool, bool]:
+        """(whether any process got SIGTERM/SIGINT, whether a temporary checkpoint is due by
+        process 0's clock). With several processes both are agreed on every step (one small
+        all-gather), since the checkpoint they then write is collective."""
+        minutes = self.cfg.checkpoint.every_minutes
+        due = bool(minutes) and time.monotonic() - self.saved_at >= 60 * minutes
         received = signals.received is not None
         if jax.process_count() > 1:
-            received = bool(multihost_utils.process_allgather(np.int32(received)).any())
-        return received
+            gathered = multihost_utils.process_allgather(np.int32([received, due]))
+            received, due = bool(gathered[:, 0].any()), bool(gathered[0, 1])
+        return received, due
 
-    def _check_finite(self, step: int, step_metrics: dict, last_saved: int) -> None:
+    def _check_finite(self, step: int, step_metrics: dict) -> None:
         """Count a skipped (non-finite) step; stop after train.max_nonfinite_steps in a row."""
         if not int(jax.device_get(step_metrics["skipped"])):
             self.skipped_in_a_row = 0
@@ -408,8 +427,8 @@ class Trainer:
             raise NonFiniteStop(
                 f"stopped at step {step}: {limit} consecutive steps had a non-finite loss or "
                 f"gradients (train.max_nonfinite_steps={limit}); the last good state is "
-                + (f"the checkpoint {self.checkpointer.directory / str(last_saved)}"
-                   if last_saved else "the initial one (no checkpoint was saved)"))
+                + (f"the checkpoint {self.checkpointer.directory / str(self.last_saved)}"
+                   if self.last_saved else "the initial one (no checkpoint was saved)"))
 
     def _train_record(self, window: list[dict], elapsed: float, step: int) -> dict[str, Any]:
         """Scalars of the steps since the last log (losses and grad norms averaged)."""
