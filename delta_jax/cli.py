@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -130,3 +131,32 @@ def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
         return make_hybrid_mesh(per_slice, across_slices)
     except ValueError as err:
         raise ValueError(f"--mesh {args.mesh}: {err}") from None
+
+
+COMPILATION_CACHE_DIR = "~/.cache/delta_jax/jax"
+# Every program is stored, however quickly it compiled (JAX's default skips those under 1 s):
+# a restart then loads the train step and the sharded initialisation instead of compiling them.
+# The size limit evicts the least recently used programs and turns on the cache's file lock,
+# which processes sharing the directory (launch/local.sh) need.
+_COMPILATION_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0,
+                               "jax_compilation_cache_max_size": 2**34}
+
+
+def enable_compilation_cache(directory: str | None = COMPILATION_CACHE_DIR) -> None:
+    """Keep compiled programs in `directory` (a leading ~ is expanded; None: leave JAX's settings
+    alone) so that the next start, e.g. after a preemption, loads them instead of compiling.
+
+    Call before anything is compiled. JAX's own environment variables win:
+    JAX_COMPILATION_CACHE_DIR names another directory, JAX_ENABLE_COMPILATION_CACHE=false turns
+    the cache off, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and
+    JAX_COMPILATION_CACHE_MAX_SIZE replace the settings above.
+    """
+    import jax
+
+    if directory is None or not jax.config.jax_enable_compilation_cache:
+        return
+    settings = {"jax_compilation_cache_dir": os.path.expanduser(directory),
+                **_COMPILATION_CACHE_SETTINGS}
+    for name, value in settings.items():
+        if name.upper() not in os.environ:
+            jax.config.update(name, value)

@@ -1,5 +1,6 @@
-"""Restarts that lose little: temporary checkpoints by wall time (a real kill -9 between two
-permanent checkpoints; two processes agreeing on when to save)."""
+"""Restarts that lose little and do not recompile: temporary checkpoints by wall time (a real
+kill -9 between two permanent checkpoints; two processes agreeing on when to save), the
+persistent compilation cache across two processes."""
 import os
 import re
 import signal
@@ -9,12 +10,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import pytest
 
+from delta_jax.cli import enable_compilation_cache
 from delta_jax.train.checkpoints import Checkpointer, KeepPermanentAndNewest
 from test_train_loop import config, data_dir, params_at  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
+# The variables through which conftest.py gives every test one shared cache; a test of the
+# trainer's own cache settings must run without them.
+CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                   "JAX_COMPILATION_CACHE_MAX_SIZE")
 
 
 def train(cfg, *overrides, env=None, **popen) -> subprocess.Popen:
@@ -111,3 +118,40 @@ def test_two_processes_take_temporary_checkpoints_together(data_dir, tmp_path): 
     assert done.returncode == 0, output[-3000:]
     assert re.search(r"^\[p0\] .* step \d+: temporary checkpoint", output, re.M), output[-3000:]
     assert committed_steps(Path(cfg.output_dir) / "checkpoints") == [20, 40]
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_the_train_step_from_the_compilation_cache(data_dir,  # noqa: F811
+                                                                       tmp_path):
+    """Two processes, with the trainer's own cache settings (not the test run's shared cache)
+    and train.compilation_cache_dir in tmp_path: the first compiles and fills the directory,
+    the second loads its train step from it. HOME is moved so that a write to the default
+    location would show."""
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    env = {**{k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES},
+           "HOME": str(home)}
+    cfg = config(data_dir, tmp_path / "run", "train.steps=2", "train.eval_every=0",
+                 "train.routing_every=0", "train.plots=false", "train.tensorboard=false",
+                 f"train.compilation_cache_dir={cache}")
+    compiled = re.compile(r"train step compiled in [\d.]+ s(.*)")
+    first = compiled.search(finish(train(cfg, env=env)))[1]
+    assert first == "" and any(cache.iterdir())
+    entries = set(cache.iterdir())
+    second = compiled.search(finish(train(cfg, "checkpoint.resume=false",
+                                          f"output_dir={tmp_path / 'again'}", env=env)))[1]
+    assert second == " (loaded from the persistent compilation cache)"
+    assert entries <= set(cache.iterdir()) and not (home / ".cache" / "delta_jax").exists()
+
+
+def test_jax_environment_variables_win_over_the_cache_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/set/by/the/user")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    before = {name: getattr(jax.config, name) for name in (
+        "jax_compilation_cache_dir", "jax_compilation_cache_max_size")}
+    try:
+        enable_compilation_cache(str(tmp_path / "cache"))
+        assert jax.config.jax_compilation_cache_dir == before["jax_compilation_cache_dir"]
+        assert jax.config.jax_compilation_cache_max_size == 2**34  # not set in the environment
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)

@@ -10,7 +10,13 @@ from pathlib import Path
 import jax
 
 from delta_jax.analyze import format_table, plot_heatmap, plot_max_weight, routing_statistics
-from delta_jax.cli import add_parallel_arguments, mesh_from_args, setup_logging, start_processes
+from delta_jax.cli import (
+    add_parallel_arguments,
+    enable_compilation_cache,
+    mesh_from_args,
+    setup_logging,
+    start_processes,
+)
 from delta_jax.config import DTYPES
 from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import read_stream
@@ -53,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     setup_logging()
+    enable_compilation_cache()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from delta_jax.cli import setup_logging
+from delta_jax.cli import enable_compilation_cache, setup_logging
 from delta_jax.compare import (
     FINISHED,
     RunFailed,
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
     setup_logging()
+    enable_compilation_cache()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

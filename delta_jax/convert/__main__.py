@@ -19,7 +19,13 @@ from pathlib import Path
 
 import jax
 
-from delta_jax.cli import add_parallel_arguments, mesh_from_args, setup_logging, start_processes
+from delta_jax.cli import (
+    add_parallel_arguments,
+    enable_compilation_cache,
+    mesh_from_args,
+    setup_logging,
+    start_processes,
+)
 from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
 from delta_jax.convert import TOKENIZER_DIR, hf_to_orbax, orbax_to_hf
 from delta_jax.hf.keymap import ConversionError
@@ -89,6 +95,7 @@ def _orbax_to_hf(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
+    enable_compilation_cache()
     args = _parser().parse_args(argv)
     try:
         {"hf-to-orbax": _hf_to_orbax, "orbax-to-hf": _orbax_to_hf}[args.command](args)

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import jax
 
-from delta_jax.cli import add_model_arguments, setup_logging, start_processes
+from delta_jax.cli import (
+    add_model_arguments,
+    enable_compilation_cache,
+    setup_logging,
+    start_processes,
+)
 from delta_jax.data.pipeline import PACKINGS
 from delta_jax.eval import perplexity, read_stream
 from delta_jax.loading import load_model_from_args, run_config
@@ -54,6 +59,7 @@ def run_packing(model: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     setup_logging()
+    enable_compilation_cache()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

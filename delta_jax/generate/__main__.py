@@ -10,7 +10,12 @@ from collections.abc import Sequence
 
 import jax
 
-from delta_jax.cli import add_model_arguments, setup_logging, start_processes
+from delta_jax.cli import (
+    add_model_arguments,
+    enable_compilation_cache,
+    setup_logging,
+    start_processes,
+)
 from delta_jax.data.tokenizers import Tokenizer
 from delta_jax.generate import Sampling, decode_memory, generate
 from delta_jax.loading import load_model_from_args
@@ -53,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     setup_logging()
+    enable_compilation_cache()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from delta_jax.cli import initialize_distributed, setup_logging
+from delta_jax.cli import enable_compilation_cache, initialize_distributed, setup_logging
 from delta_jax.train.config import load_config
 
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(dump_config(cfg), end="")
         return
+    enable_compilation_cache(cfg.train.compilation_cache_dir)
     if cfg.distributed.enabled:
         initialize_distributed(cfg.distributed.coordinator_address,
                                cfg.distributed.num_processes, cfg.distributed.process_id)

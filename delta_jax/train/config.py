@@ -59,6 +59,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 10
     # For tests only: steps (1-based) whose loss is made NaN inside the jitted step.
     inject_nan_steps: tuple[int, ...] = ()
+    # Compiled programs kept here (`python -m delta_jax.train` sets it up), so that a restart
+    # loads the step instead of compiling it; null = no cache (docs/training.md#restarts).
+    compilation_cache_dir: str | None = "~/.cache/delta_jax/jax"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,6 +125,21 @@ def _global_batches(iterator: Iterator, sharding) -> Iterator[dict[str, jax.Arra
         yield to_global_array(local, sharding)
 
 
+class _EventCount:
+    """How many times JAX has recorded `event` (jax.monitoring) in this process."""
+
+    def __init__(self, event: str):
+        self.event, self.count = event, 0
+        jax.monitoring.register_event_listener(self._listen)
+
+    def _listen(self, event: str, **_) -> None:
+        if event == self.event:
+            self.count += 1
+
+
+_cache_hits = _EventCount("/jax/compilation_cache/cache_hits")
+
+
 class Trainer:
     """One run of RunConfig; `run()` trains to train.steps and returns the summary."""
 
@@ -311,12 +326,14 @@ class Trainer:
               ) -> dict[str, Any]:
         t = self.cfg.train
         batches = _global_batches(self.train_iter, self.batch_sharding)
-        began = time.perf_counter()
+        began, hits = time.perf_counter(), _cache_hits.count
         compiled = self.step_fn.lower(state, self._abstract_batch()).compile()
         compile_s = time.perf_counter() - began
         memory = _compiled_memory(compiled)
         if self.is_main:
-            logger.info("train step compiled in %.1f s", compile_s)
+            logger.info("train step compiled in %.1f s%s", compile_s,
+                        " (loaded from the persistent compilation cache)"
+                        if _cache_hits.count > hits else "")
             if memory is not None:
                 logger.info("train step memory per device: %.2f GiB by memory_analysis, %.2f "
                             "GiB live at the peak", memory[0] / 2**30, memory[1] / 2**30)
