@@ -1,6 +1,6 @@
 """Restarts that lose little and do not recompile: temporary checkpoints by wall time (a real
 kill -9 between two permanent checkpoints; two processes agreeing on when to save), the
-persistent compilation cache across two processes."""
+persistent compilation cache across two processes, and the profiler window's trace."""
 import os
 import re
 import signal
@@ -15,6 +15,7 @@ import pytest
 
 from delta_jax.cli import enable_compilation_cache
 from delta_jax.train.checkpoints import Checkpointer, KeepPermanentAndNewest
+from delta_jax.train.loop import run
 from test_train_loop import config, data_dir, params_at  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,3 +156,19 @@ def test_jax_environment_variables_win_over_the_cache_setting(monkeypatch, tmp_p
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
+
+
+@pytest.mark.slow
+def test_the_profile_window_writes_a_trace_tensorboard_opens(data_dir, tmp_path):  # noqa: F811
+    cfg = config(data_dir, tmp_path / "run", "train.steps=3", "train.profile_steps=2,3",
+                 "train.eval_every=0", "train.routing_every=0", "train.plots=false")
+    run(cfg)
+    traces = list((Path(cfg.output_dir) / "tensorboard" / "plugins" / "profile").glob(
+        "*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize("steps", ["3", "0,2", "4,2", "1,2,3"])
+def test_a_profile_window_must_be_first_and_last_step(data_dir, tmp_path, steps):  # noqa: F811
+    with pytest.raises(ValueError, match=r"train.profile_steps=.* expected FIRST,LAST"):
+        config(data_dir, tmp_path / "run", f"train.profile_steps={steps}")

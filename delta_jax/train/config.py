@@ -62,6 +62,9 @@ class TrainConfig:
     # Compiled programs kept here (`python -m delta_jax.train` sets it up), so that a restart
     # loads the step instead of compiling it; null = no cache (docs/training.md#restarts).
     compilation_cache_dir: str | None = "~/.cache/delta_jax/jax"
+    # "FIRST,LAST": trace steps FIRST..LAST (1-based) with jax.profiler into
+    # <output_dir>/tensorboard, TensorBoard's Profile tab; empty = no trace.
+    profile_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +175,10 @@ class RunConfig:
             (self.checkpoint.every_minutes >= 0, "checkpoint.every_minutes",
              self.checkpoint.every_minutes, "a number of minutes >= 0 (0: no temporary "
              "checkpoints)"),
+            (t.profile_steps == () or (len(t.profile_steps) == 2
+                                       and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+             "train.profile_steps", t.profile_steps, "FIRST,LAST with 1 <= FIRST <= LAST, or "
+             "empty"),
             (self.checkpoint.read_retries >= 0, "checkpoint.read_retries",
              self.checkpoint.read_retries, "an integer >= 0"),
             (self.checkpoint.retry_wait_s >= 0, "checkpoint.retry_wait_s",

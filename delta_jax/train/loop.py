@@ -140,6 +140,40 @@ class _EventCount:
 _cache_hits = _EventCount("/jax/compilation_cache/cache_hits")
 
 
+class ProfileWindow:
+    """A jax.profiler trace of the steps FIRST..LAST of train.profile_steps (every process
+    traces its own devices) in `directory`/plugins/profile, where TensorBoard's Profile tab
+    finds it. A run resumed inside the window traces the rest of it."""
+
+    def __init__(self, steps: tuple[int, ...], directory: Path):
+        self.first, self.last = steps or (0, -1)
+        self.directory, self.tracing = directory, False
+
+    def before(self, step: int) -> None:
+        if not self.tracing and self.first <= step <= self.last:
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def after(self, step: int, state: TrainState) -> float:
+        """Seconds spent ending the trace after LAST (waiting for the step, writing the file):
+        not training time."""
+        if not (self.tracing and step == self.last):
+            return 0.0
+        began = time.perf_counter()
+        jax.block_until_ready(state)
+        self.stop()
+        if jax.process_index() == 0:
+            logger.info("profiled steps %d..%d: %s (tensorboard --logdir %s, Profile tab)",
+                        self.first, self.last, self.directory / "plugins" / "profile",
+                        self.directory)
+        return time.perf_counter() - began
+
+    def stop(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
+
+
 class Trainer:
     """One run of RunConfig; `run()` trains to train.steps and returns the summary."""
 
@@ -186,6 +220,7 @@ class Trainer:
                                                         cfg.train.peak_tflops)
         self.last_routing: dict[str, Any] | None = None
         self.skipped_in_a_row, self.skipped_total = 0, 0
+        self.profiler = ProfileWindow(cfg.train.profile_steps, self.out / "tensorboard")
         # The step of the newest checkpoint started by this run (or resumed from), and when.
         self.last_saved, self.saved_at = 0, time.monotonic()
 
@@ -304,6 +339,7 @@ class Trainer:
                 with StopSignals() as signals:
                     summary = self._loop(state, start, writer, signals)
             finally:
+                self.profiler.stop()
                 writer.close()
                 self.checkpointer.wait()
                 self.checkpointer.close()
@@ -345,7 +381,9 @@ class Trainer:
         window_start, paused = time.perf_counter(), 0.0
         previous = None  # (step, metrics) of the step before, checked once this one is queued
         for step in range(start + 1, t.steps + 1):
+            self.profiler.before(step)
             state, step_metrics = compiled(state, next(batches))
+            paused += self.profiler.after(step, state)
             if previous is not None:
                 self._check_finite(*previous)
             previous = (step, step_metrics)
