@@ -136,10 +136,8 @@ def mesh_from_args(args: argparse.Namespace) -> Mesh | None:
 COMPILATION_CACHE_DIR = "~/.cache/delta_jax/jax"
 # Every program is stored, however quickly it compiled (JAX's default skips those under 1 s):
 # a restart then loads the train step and the sharded initialisation instead of compiling them.
-# The size limit evicts the least recently used programs and turns on the cache's file lock,
-# which processes sharing the directory (launch/local.sh) need.
-_COMPILATION_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0,
-                               "jax_compilation_cache_max_size": 2**34}
+# No size limit: JAX's needs the filelock package, which the requirements do not include.
+_COMPILATION_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0}
 
 
 def enable_compilation_cache(directory: str | None = COMPILATION_CACHE_DIR) -> None:
@@ -148,8 +146,7 @@ def enable_compilation_cache(directory: str | None = COMPILATION_CACHE_DIR) -> N
 
     Call before anything is compiled. JAX's own environment variables win:
     JAX_COMPILATION_CACHE_DIR names another directory, JAX_ENABLE_COMPILATION_CACHE=false turns
-    the cache off, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and
-    JAX_COMPILATION_CACHE_MAX_SIZE replace the settings above.
+    the cache off, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS replaces the setting above.
     """
     import jax
 

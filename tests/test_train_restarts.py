@@ -146,13 +146,15 @@ def test_a_second_start_loads_the_train_step_from_the_compilation_cache(data_dir
 
 def test_jax_environment_variables_win_over_the_cache_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/set/by/the/user")
-    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     before = {name: getattr(jax.config, name) for name in (
-        "jax_compilation_cache_dir", "jax_compilation_cache_max_size")}
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
     try:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
         enable_compilation_cache(str(tmp_path / "cache"))
         assert jax.config.jax_compilation_cache_dir == before["jax_compilation_cache_dir"]
-        assert jax.config.jax_compilation_cache_max_size == 2**34  # not set in the environment
+        # Not set in the environment: every program is stored.
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
