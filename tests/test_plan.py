@@ -162,6 +162,30 @@ def test_cost_twin_counts_every_layer(driver):
     assert flops(6, twin=False) < twin[1]  # the loop's body counted once
 
 
+def test_cost_twin_counts_every_vocabulary_chunk_of_the_loss():
+    """The chunked loss runs the head's matmul four times a token: the forward logits, and in
+    the backward pass the logits recomputed from the saved logsumexp, d hidden and d head
+    (train/loss.py), each 2 * D flops a vocabulary column. The twin counts all C chunks of
+    them, where the real program's chunk loops are counted once."""
+    from delta_jax.plan.compile import _prepare, compile_step
+    from delta_jax.plan.topology import resolve
+
+    hidden, tokens, chunks = 64, 8 * 64, 4
+    shape = [*TINY, f"model.hidden_size={hidden}", "model.head_dim=16", "train.seq_len=64",
+             "model.intermediate_size=128", "model.residual=baseline",
+             f"train.loss_vocab_chunks={chunks}"]
+    cpu = resolve("cpu:1", 1)
+    twin, real = {}, {}
+    for vocab in (256, 512):
+        run = load_config("configs/220m.yaml", [*shape, f"model.vocab_size={vocab}"])
+        twin[vocab] = compile_step(run, cpu).flops
+        real[vocab] = _prepare(run, cpu)[1]().cost_analysis()["flops"]
+    head_matmuls = 4 * 2 * hidden * tokens * (512 - 256)
+    # Above the matmuls: the softmax's elementwise flops and the optimizer's (measured 1.046x).
+    assert 1.0 <= (twin[512] - twin[256]) / head_matmuls < 1.1
+    assert (real[512] - real[256]) / head_matmuls < 1.5 / chunks
+
+
 @needs_libtpu
 def test_tiny_model_over_a_small_hbm_override_does_not_fit(tmp_path):
     out = tmp_path / "plan.json"

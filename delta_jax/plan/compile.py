@@ -13,8 +13,10 @@ v5e, v5p and v6e with jax 0.10.2: a scan of 8 matmuls reports the FLOPs and near
 one). The trainer's layers run in loops (the lean and scan drivers), so the cost numbers come
 from a twin: the same run with `unroll_layers`, the same driver with its loops written out
 layer by layer (for the lean driver: the same custom backward pass, recomputing each layer
-over the final buffer and accumulating the buffer's cotangent in place). The memory numbers
-are always the real program's.
+over the final buffer and accumulating the buffer's cotangent in place), and its loss's
+vocabulary-chunk loops written out chunk by chunk (train/loss.py unrolled_vocab_chunks; before
+they were, the twin counted one chunk of the loss's matmuls in C: BENCHMARKS.md). The memory
+numbers are always the real program's.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from delta_jax.data.pipeline import batch_keys
 from delta_jax.plan.topology import PlanError, Topology, refusal_bytes, resolve
 from delta_jax.sharding import batch_sharding, make_hybrid_mesh
 from delta_jax.train.config import RunConfig
+from delta_jax.train.loss import unrolled_vocab_chunks
 from delta_jax.train.metrics import memory_total_bytes, train_flops_per_token
 from delta_jax.train.optimizer import make_optimizer, schedules
 from delta_jax.train.state import (
@@ -171,11 +174,11 @@ def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> S
     memory_plan = _compile(run, topology)
     if not estimate or memory_plan.oom is not None:
         return memory_plan
-    twin = run if run.model.layer_driver == "unrolled" else cost_twin(run)  # no loop to count
     start = time.perf_counter()
-    _, compile_twin = _prepare(twin, topology)
+    _, compile_twin = _prepare(cost_twin(run), topology)
     try:
-        cost = _cost(compile_twin(), run.train.grad_accum)
+        with unrolled_vocab_chunks():
+            cost = _cost(compile_twin(), run.train.grad_accum)
     except jax.errors.JaxRuntimeError as e:
         if _oom_peak_bytes(str(e)) is None:
             raise

@@ -13,15 +13,39 @@ sharded over the vocabulary (tensor parallel) stays sharded the same way. Each c
 are rounded to the compute dtype before the float32 softmax, as the unchunked loss does
 (`CausalLM.logits` then `astype(float32)`), so the two agree to float32 rounding
 (tests/test_chunked_loss.py).
+
+XLA's cost analysis counts a loop's body once, whatever its trip count: the planner's cost twin
+(delta_jax/plan/compile.py) traces the loss inside `unrolled_vocab_chunks()`, which writes the
+chunk loops out chunk by chunk, so that every chunk's matmuls are counted. A run never does:
+the unrolled loops would let XLA hold several chunks' logits at once.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from delta_jax.sharding import constrain
+
+_UNROLL_CHUNKS = contextvars.ContextVar("unroll_vocab_chunks", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_vocab_chunks():
+    """Within it, losses traced write their vocabulary-chunk loops out (the cost twin's)."""
+    token = _UNROLL_CHUNKS.set(True)
+    try:
+        yield
+    finally:
+        _UNROLL_CHUNKS.reset(token)
+
+
+def _scan_chunks(body, init, xs):
+    """jax.lax.scan over the chunks, unrolled inside unrolled_vocab_chunks()."""
+    return jax.lax.scan(body, init, xs, unroll=_UNROLL_CHUNKS.get())
 
 
 def _split_vocab(head: jax.Array, chunks: int) -> jax.Array:
@@ -65,7 +89,7 @@ def _forward(hidden, head, labels, chunks):
         picked = picked + jnp.where(_label_mask(labels, k, chunks, width), logits, 0.0).sum(-1)
         return (new_max, total, picked), None
 
-    (running_max, total, picked), _ = jax.lax.scan(
+    (running_max, total, picked), _ = _scan_chunks(
         one_chunk, (zeros - jnp.inf, zeros, zeros), (jnp.arange(chunks), head_chunks))
     logsumexp = running_max + jnp.log(total)
     return logsumexp - picked, logsumexp
@@ -102,7 +126,7 @@ def _bwd(chunks, residuals, d_ce):
         d_head_chunk = jnp.einsum("btd,btw->dw", hidden, d_logits)
         return d_hidden, d_head_chunk
 
-    d_hidden, d_head_chunks = jax.lax.scan(
+    d_hidden, d_head_chunks = _scan_chunks(
         one_chunk, jnp.zeros(hidden.shape, jnp.float32), (jnp.arange(chunks), head_chunks))
     return d_hidden.astype(hidden.dtype), _join_vocab(d_head_chunks), None
 
