@@ -7,12 +7,15 @@
 
 Compiles the trainer's train step (same shardings, donation, gradient accumulation, remat) for
 the named topology on this host: a TPU slice needs libtpu (`pip install "jax[tpu]==<jax
-version>"`) but no TPU; `cpu:N` uses N (fake) CPU devices. Prints per device the parameters,
-optimizer state, batch, temporaries, total and the bytes live at the peak against what the TPU
-compiler lets a program hold (its own limit, read from it: v5e 15.75 of 16 GiB), fits or not
-(by the total, or with --fit-by live by the live peak, all the compiler checks); XLA's FLOPs,
-bytes accessed and its cost-model step time (an estimate, not a measurement) with the
-tokens/s and MFU that follow. A run that does not fit is compiled again with each knob turned
+version>"`) but no TPU; GPU nodes (h100:2x8, h200:1x8: NODESxGPUS_PER_NODE) need the GPU
+compiler (`make gpu-compiler`) but no GPU, and are judged against the memory the GPU reports
+with a roofline step estimate (plan/gpus.py); `cpu:N` uses N (fake) CPU devices. Prints per
+device the parameters, optimizer state, batch, temporaries, total and the bytes live at the
+peak against what the TPU compiler lets a program hold (its own limit, read from it: v5e 15.75
+of 16 GiB) or the GPU's memory, fits or not (by the total, or with --fit-by live by the live
+peak, all the TPU compiler checks); XLA's FLOPs, bytes accessed and the step time they give
+(an estimate, not a measurement) with the tokens/s and MFU that follow. A run that does not fit
+is compiled again with each knob turned
 one notch (remat, grad_accum, all-fsdp) to show which helps and by how much. Each compile runs
 in a child process (plan/isolated.py): a compiler crash is reported for its variant and the
 others go on.
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 # The planner only compiles: keep jax off any attached accelerator (and, with libtpu installed,
-# off probing for one); TPU topologies are reached through libtpu's compile-only devices.
+# off probing for one); TPU and GPU topologies are reached through compile-only devices.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from delta_jax.config import RESIDUALS  # noqa: E402
@@ -55,7 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a run YAML (configs/8b.yaml)")
     p.add_argument("--topology", required=True,
-                   help="v5p:4x4x4, v5e:4x4, v6e:2x4, v4:2x2x1, ... or cpu:N")
+                   help="v5p:4x4x4, v5e:4x4, v6e:2x4, v4:2x2x1, ..., h100:2x8, h200:1x8 "
+                        "(GPU nodes x GPUs per node), or cpu:N")
     p.add_argument("--num-slices", type=int, default=1,
                    help="slices joined over DCN (Multislice); by default mesh.data spans them "
                         "(mesh.dcn_data/dcn_fsdp/dcn_tensor say otherwise)")

@@ -17,6 +17,10 @@ over the final buffer and accumulating the buffer's cotangent in place), and its
 vocabulary-chunk loops written out chunk by chunk (train/loss.py unrolled_vocab_chunks; before
 they were, the twin counted one chunk of the loss's matmuls in C: BENCHMARKS.md). The memory
 numbers are always the real program's.
+
+The step time is an estimate either way: on TPU XLA's cost model ("optimal_seconds"); on GPU,
+whose compiled programs carry no cost analysis, a roofline over XLA's HloCostAnalysis of the
+optimized module, max(flops / peak, bytes / bandwidth) (gpus.py).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
 from delta_jax.data.pipeline import batch_keys
+from delta_jax.plan import gpus
 from delta_jax.plan.topology import PlanError, Topology, refusal_bytes, resolve
 from delta_jax.sharding import batch_sharding, make_hybrid_mesh
 from delta_jax.train.config import RunConfig
@@ -78,7 +83,7 @@ class StepPlan:
     # too, so the optimizer update is counted grad_accum times (a slight overestimate).
     flops: float | None
     bytes_accessed: float | None
-    estimated_step_s: float | None  # XLA's cost-model "optimal_seconds", not a measurement
+    estimated_step_s: float | None  # an estimate (estimate_method), not a measurement
     analytic_flops: float
     compile_s: float
     oom: str | None = None
@@ -88,6 +93,8 @@ class StepPlan:
     # temp_size_in_bytes counts more than the buffers live at the peak (delta's backward pass
     # most of all), so total_bytes is an upper bound over it (BENCHMARKS.md).
     live_peak_bytes: int | None = None
+    # How estimated_step_s was estimated (report.describe prints it); None without an estimate.
+    estimate_method: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -157,7 +164,11 @@ def cost_twin(run: RunConfig) -> RunConfig:
     return dataclasses.replace(run, model=run.model.replace(unroll_layers=True))
 
 
-def _cost(compiled, scale: int) -> dict[str, float | None]:
+XLA_COST_MODEL = "XLA's cost model"
+
+
+def _cost(compiled, scale: int) -> dict[str, float | str | None]:
+    """A TPU (or CPU) program's flops, bytes accessed and XLA's step estimate, times `scale`."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
         cost = cost[0]
@@ -165,7 +176,25 @@ def _cost(compiled, scale: int) -> dict[str, float | None]:
     values = {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
               # XLA reports a negative time where its model has no estimate (seen on v5e)
               "estimated_step_s": seconds if seconds is not None and seconds > 0 else None}
-    return {k: None if v is None else v * scale for k, v in values.items()}
+    scaled = {k: None if v is None else v * scale for k, v in values.items()}
+    return {**scaled, "estimate_method": scaled["estimated_step_s"] and XLA_COST_MODEL}
+
+
+def _gpu_cost(compiled, scale: int, run: RunConfig, topology: Topology,
+              mesh: dict[str, int]) -> dict[str, float | str]:
+    """A GPU program's flops (XLA's HloCostAnalysis, plus cuDNN attention by formula) and bytes
+    accessed, times `scale`, and the roofline step they give on topology's GPU."""
+    cfg, chip = run.model, topology.chip
+    flops, accessed = gpus.hlo_cost(compiled)
+    rows = run.train.batch_size // run.train.grad_accum // (mesh["data"] * mesh["fsdp"])
+    flops += gpus.cudnn_attention_flops(compiled.as_text(), rows, run.train.seq_len,
+                                        cfg.num_heads // mesh["tensor"], cfg.head_dim)
+    flops, accessed = flops * scale, accessed * scale
+    return {"flops": flops, "bytes_accessed": accessed,
+            "estimated_step_s": gpus.roofline_s(flops, accessed, chip),
+            "estimate_method": (f"a roofline over XLA's cost analysis, max(flops / "
+                                f"{chip.peak_flops / 1e12:.0f} TFLOP/s, bytes / "
+                                f"{chip.memory_bandwidth / 1e12:.2f} TB/s)")}
 
 
 def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> StepPlan:
@@ -178,11 +207,14 @@ def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> S
     _, compile_twin = _prepare(cost_twin(run), topology)
     try:
         with unrolled_vocab_chunks():
-            cost = _cost(compile_twin(), run.train.grad_accum)
+            compiled = compile_twin()
     except jax.errors.JaxRuntimeError as e:
         if _oom_peak_bytes(str(e)) is None:
             raise
         return memory_plan  # the twin alone exceeds HBM: no estimate
+    scale = run.train.grad_accum
+    cost = (_gpu_cost(compiled, scale, run, topology, memory_plan.mesh) if topology.is_gpu
+            else _cost(compiled, scale))
     return dataclasses.replace(memory_plan, **cost,
                                compile_s=memory_plan.compile_s + time.perf_counter() - start)
 

@@ -10,8 +10,12 @@ limit: against that limit a program it accepts fits by "live". temp_size_in_byte
 than the heap (BENCHMARKS.md), so "total" errs on the safe side until a TPU run shows what its
 runtime needs (the trainer logs both counts beside the device's peak). Both are printed.
 
-Speed: XLA's cost model ("optimal_seconds"), an estimate from the compiled program, never a
-measurement; tokens/s and MFU follow from it and the chip's peak FLOP/s.
+On GPU the compiler accepts a program of any size: the fit is the planner's judgement alone,
+against the memory the device reports (chips.py).
+
+Speed: an estimate from the compiled program, never a measurement: on TPU XLA's cost model
+("optimal_seconds"), on GPU a roofline over XLA's cost analysis (compile.py); tokens/s and MFU
+follow from it and the chip's peak FLOP/s.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from delta_jax.plan.compile import StepPlan
+from delta_jax.plan.compile import XLA_COST_MODEL, StepPlan
 from delta_jax.plan.floors import RoutingFloor
 
 GiB = 2**30
@@ -120,9 +124,9 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
             f"    XLA cost analysis (unrolled twin): {flops}, {accessed} accessed "
             f"(model count without recompute: "
             f"{plan.analytic_flops / plan.num_devices / 1e12:.2f} TFLOP)",
-            "  estimated by XLA's cost model (not measured): "
+            f"  estimated by {plan.estimate_method or XLA_COST_MODEL} (not measured): "
             + ("-" if est is None else f"{est:.4f} s/step, {tps:,.0f} tokens/s"
-               + ("" if util is None else f", MFU {util:.1%}")),
+               + ("" if util is None else f", MFU {util:.1%} (an estimate)")),
         ]
     if floor is not None:
         lines.append(

@@ -1,7 +1,9 @@
-"""Named device sets to compile for: a TPU slice described by name (no TPU attached), or CPUs.
+"""Named device sets to compile for: a TPU slice or GPU nodes described by name (no TPU or GPU
+attached), or CPUs.
 
     "v5p:4x4x4"   a v5p slice of 4x4x4 chips (libtpu compiles for it on any host)
     "v5e:4x4"     v5e and v6e slices are two-dimensional
+    "h100:2x8"    2 nodes of 8 H100 SXM GPUs (jax's CUDA plugin compiles for them: gpus.py)
     "cpu:8"       8 CPU devices of this process (fake ones: --xla_force_host_platform_device_count)
 
 Several slices (`num_slices` > 1) are joined over DCN, as in Multislice training; the mesh's
@@ -20,6 +22,7 @@ import re
 import jax
 import jax.numpy as jnp
 
+from delta_jax.plan import gpus
 from delta_jax.plan.chips import CHIPS, Chip
 from delta_jax.plan.chips import chip as chip_named
 
@@ -30,8 +33,8 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    name: str  # as given: "v5p:4x4x4", "cpu:8"
-    devices: tuple  # jax Devices (compile-only ones for TPU), len = D
+    name: str  # as given: "v5p:4x4x4", "h100:2x8", "cpu:8"
+    devices: tuple  # jax Devices (compile-only ones for TPU and GPU), len = D
     chip: Chip | None  # None for CPUs
     num_slices: int = 1
 
@@ -40,8 +43,12 @@ class Topology:
         return len(self.devices)
 
     @property
+    def is_gpu(self) -> bool:
+        return self.chip is not None and self.chip.gpu_spec is not None
+
+    @property
     def devices_per_chip(self) -> int:
-        if self.chip is None:
+        if self.chip is None or self.is_gpu:
             return 1
         chips = {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in self.devices}
         return self.num_devices // len(chips)
@@ -50,8 +57,9 @@ class Topology:
     def compiler_hbm_per_device(self) -> int | None:
         """What the TPU compiler lets one program hold per device, by its own message
         (compiler_limit), below the chip's HBM (v5e: 15.75 of 16 GiB); read when first asked,
-        not by every process that only compiles. None for CPUs, or where no message says it."""
-        return None if self.chip is None else compiler_limit(self.devices[0])
+        not by every process that only compiles. None for CPUs and GPUs (the GPU compiler
+        accepts a program of any size), or where no message says it."""
+        return None if self.chip is None or self.is_gpu else compiler_limit(self.devices[0])
 
     @property
     def chip_hbm_per_device(self) -> int | None:
@@ -77,11 +85,17 @@ class Topology:
         if self.compiler_hbm_per_device:
             hbm += (f", {self.compiler_hbm_per_device / 2**30:.2f} GiB of it for a program by the "
                     "compiler's limit")
+        if self.is_gpu:
+            hbm += (" as the device reports it; jax preallocates 75% of it unless "
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION says more")
         return f"{self.name}{slices} ({self.num_devices} x {kind}{hbm})"
 
 
-VALID = ("cpu:N, or a TPU slice <chip>:<shape> with chip one of " + ", ".join(CHIPS)
-         + " (e.g. v5p:2x2x1, v5p:4x4x4, v5e:4x4, v6e:2x4)")
+TPUS = [name for name, c in CHIPS.items() if c.gpu_spec is None]
+GPUS = [name for name, c in CHIPS.items() if c.gpu_spec is not None]
+VALID = ("cpu:N, a TPU slice <chip>:<shape> with chip one of " + ", ".join(TPUS)
+         + " (e.g. v5p:2x2x1, v5p:4x4x4, v5e:4x4, v6e:2x4), or GPU nodes <gpu>:<nodes>x<gpus "
+         "per node> with gpu one of " + ", ".join(GPUS) + " (e.g. h100:1x8, h200:2x8)")
 _TPU_NAME = re.compile(r"^(?P<chip>[a-z0-9]+):(?P<shape>\d+(x\d+){1,2})$")
 LIBTPU_HINT = ('compiling for a TPU topology needs libtpu, which is not installed here: '
                f'pip install "jax[tpu]=={jax.__version__}" (CPU hosts included; no TPU needed)')
@@ -99,7 +113,10 @@ def resolve(name: str, num_slices: int = 1) -> Topology:
     match = _TPU_NAME.match(name)
     if match is None or match["chip"] not in CHIPS:
         raise PlanError(f"--topology {name!r} is not a known topology: expected {VALID}")
-    return _tpu(name, chip_named(match["chip"]), num_slices)
+    chip = chip_named(match["chip"])
+    if chip.gpu_spec is not None:
+        return _gpu(name, chip, num_slices)
+    return _tpu(name, chip, num_slices)
 
 
 def _forced_cpu_devices() -> int:
@@ -163,6 +180,21 @@ def _tpu(name: str, chip: Chip, num_slices: int) -> Topology:
     if not found:
         raise PlanError(f"--topology {name!r} has no devices; expected {VALID}")
     return Topology(name, tuple(found), chip, num_slices)
+
+
+def _gpu(name: str, chip: Chip, num_slices: int) -> Topology:
+    """GPU nodes: "h100:2x8" is 2 nodes (hosts) of 8 GPUs; the nodes are the name's, not
+    slices."""
+    shape = [int(n) for n in match_shape(name).split("x")]
+    if len(shape) != 2 or min(shape) < 1 or num_slices != 1:
+        raise PlanError(f"--topology {name!r} with --num-slices={num_slices} is invalid: "
+                        f"expected {chip.name}:<nodes>x<gpus per node> (e.g. {chip.name}:2x8) "
+                        "and one slice (the nodes are in the name)")
+    try:
+        devices = gpus.compile_only_devices(chip, *shape)
+    except gpus.MissingCompiler as missing:
+        raise PlanError(str(missing)) from None
+    return Topology(name, tuple(devices), chip)
 
 
 # The TPU compiler refuses a program that needs more than it allows, in one of two messages:

@@ -1,10 +1,12 @@
-"""What fits where: the smallest slice of each TPU chip that each config trains on.
+"""What fits where: the smallest slice of each TPU chip (or GPU node count) that each config
+trains on.
 
     python -m delta_jax.plan.where --configs configs/220m.yaml,configs/8b.yaml \
-        --chips v5e,v5p,v6e [--fit-by total|live] [--markdown] [--json OUT] \
+        --chips v5e,v5p,v6e,h100 [--fit-by total|live] [--markdown] [--json OUT] \
         [section.key=value ...]
 
-For each config and chip, slices are tried smallest first (chips.SLICES); on each, every
+For each config and chip, slices are tried smallest first (chips.SLICES; GPUs as nodes of 8:
+h100:1x8, 2x8, 4x8, ...); on each, every
 device goes to fsdp (to tensor what the batch cannot split over), and the knobs are turned
 until the step fits: remat none, save_dots, full, then full with 2, 4, 8, ... microbatches
 (as many as the batch allows). The first that fits is reported: by memory_analysis's total
