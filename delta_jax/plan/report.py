@@ -111,9 +111,10 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
         f"{_verdict(plan, hbm, by)}",
     ]
     if plan.live_peak_bytes:
-        lines.append(f"    live at the peak  {_gib(plan.live_peak_bytes)}: what the TPU compiler "
-                     "checks against its limit, and then the heap it assigns for it (the total "
-                     "above counts more, so it is an upper bound)")
+        lines.append(f"    live at the peak  {_gib(plan.live_peak_bytes)}: the compiler's count of "
+                     "the bytes live at once, what a TPU compiler checks against its limit "
+                     "before the heap it assigns for it (the total above counts at least as "
+                     "much, so it is an upper bound)")
     if plan.oom:
         lines.append(f"    compiler: {plan.oom}")
     elif plan.flops is None:
