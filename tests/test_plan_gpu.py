@@ -7,11 +7,13 @@ compile for a GPU on a CPU host (ptxas included), so those tests are marked slow
 """
 import json
 
+import numpy as np
 import pytest
 
 from delta_jax.plan import gpus
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.chips import CHIPS
+from delta_jax.sharding import make_hybrid_mesh
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
@@ -76,6 +78,9 @@ def test_gpu_nodes_are_compile_only_devices_one_host_a_node():
     # One process a node, one slice: a mesh builder tells the nodes apart by process_index.
     assert [d.process_index for d in two_nodes.devices] == [0] * 8 + [1] * 8
     assert {d.slice_index for d in two_nodes.devices} == {0}
+    grid = make_hybrid_mesh((1, 4, 2), devices=two_nodes.devices).devices  # data spans nodes
+    nodes = np.vectorize(lambda d: d.process_index)(grid)
+    assert grid.shape == (2, 4, 2) and [set(row.flat) for row in nodes] == [{0}, {1}]
     assert two_nodes.hbm_per_device == 84_942_979_072  # the compiler names no limit on GPU
     assert two_nodes.peak_flops_per_device == 989e12
     h200 = resolve("h200:1x8")
@@ -106,12 +111,13 @@ def test_h100_node_plans_memory_and_a_labelled_roofline_estimate(tmp_path, capsy
 
 @needs_gpu_compiler
 @pytest.mark.slow
-def test_two_h100_nodes_put_fsdp_over_all_sixteen(tmp_path):
+def test_two_h100_nodes_put_data_across_the_nodes_and_fsdp_inside(tmp_path):
+    """The shipped config (fsdp -1 within a node) on two nodes: the nodes go on data."""
     out = tmp_path / "plan.json"
     assert main([*CONFIG, "--topology", "h100:2x8", "--no-estimate", "--json", str(out),
                  *TINY]) == 0
     (row,) = json.loads(out.read_text())
-    assert row["num_devices"] == 16 and row["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+    assert row["num_devices"] == 16 and row["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1}
     assert 0 < row["total_bytes"] < row["hbm_bytes"] and row["fits"] is True
 
 

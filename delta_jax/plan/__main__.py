@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 # The planner only compiles: keep jax off any attached accelerator (and, with libtpu installed,
-# off probing for one); TPU and GPU topologies are reached through compile-only devices.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# off probing for one); TPU and GPU topologies are reached through compile-only devices, and the
+# GPU ones need jax on the CPU alone. Set whatever the environment (or importing delta_jax, on a
+# host without a TPU) said.
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 from delta_jax.config import RESIDUALS  # noqa: E402
 from delta_jax.plan import knobs, report  # noqa: E402

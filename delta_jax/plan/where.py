@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only (see __main__)
+os.environ["JAX_PLATFORMS"] = "cpu"  # compile only (see __main__)
 
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.chips import SLICES, chip  # noqa: E402
@@ -40,25 +40,34 @@ from delta_jax.plan.compile import (  # noqa: E402
 )
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError  # noqa: E402
+from delta_jax.sharding import slice_groups  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
 
 GiB = 2**30
 REMATS = ("none", "save_dots", "full")
 
 
-def candidates(run: RunConfig, devices: int) -> Iterator[RunConfig]:
-    """The knob settings tried on a slice of `devices`, least recompute first."""
+def candidates(run: RunConfig, devices_per_slice: int, num_slices: int = 1
+               ) -> Iterator[RunConfig]:
+    """The knob settings tried on `num_slices` slices (or GPU nodes) of `devices_per_slice`,
+    least recompute first: a slice's devices on fsdp (to tensor what its share of the batch
+    cannot split over), the slices on data."""
     batch = run.train.batch_size
-    fsdp = devices if batch % devices == 0 else batch
-    if devices % fsdp:
+    if batch % num_slices:
         return
-    placed = knobs.with_grad_accum(knobs.with_mesh(run, 1, fsdp, devices // fsdp), 1)
+    fsdp = devices_per_slice if (batch // num_slices) % devices_per_slice == 0 else (
+        batch // num_slices)
+    if devices_per_slice % fsdp:
+        return
+    placed = knobs.with_grad_accum(
+        knobs.with_mesh(run, 1, fsdp, devices_per_slice // fsdp), 1)
     for policy in REMATS:
         yield knobs.with_remat(placed, policy)
-    most = knobs.max_grad_accum(batch, fsdp)
+    shards = fsdp * num_slices
+    most = knobs.max_grad_accum(batch, shards)
     accum = 2
     while accum <= most:  # (the loss's logits grow with the microbatch: remat cannot help)
-        if batch % accum == 0 and (batch // accum) % fsdp == 0:
+        if batch % accum == 0 and (batch // accum) % shards == 0:
             yield knobs.with_grad_accum(knobs.with_remat(placed, "full"), accum)
         accum *= 2
 
@@ -77,7 +86,8 @@ def smallest_fit(run: RunConfig, chip_name: str,
     for shape in SLICES[chip_name]:
         topology = resolved(f"{chip_name}:{shape}")
         hbm = topology.hbm_per_device
-        tried = list(candidates(run, topology.num_devices))
+        num_slices = len(slice_groups(topology.devices)[1])  # GPU nodes; a TPU slice is one
+        tried = list(candidates(run, topology.num_devices // num_slices, num_slices))
         if not tried or state_bytes(tried[0], topology) > hbm:
             continue
         for candidate in tried:
