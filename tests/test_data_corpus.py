@@ -1,6 +1,7 @@
 """The embedded default corpus: deterministic, documented, prepared once and cached."""
 import json
 import platform
+import shutil
 
 import pytest
 
@@ -44,3 +45,25 @@ def test_too_long_sequence_is_refused(cache):
     with pytest.raises(ValueError,
                        match=r"split 'validation' has \d+ tokens, fewer than one window"):
         default_prepared_data(cache[0], seq_len=10**6)
+
+
+def test_a_builder_that_loses_the_race_reads_the_winner_s(cache, tmp_path, monkeypatch):
+    """Two processes preparing the corpus at once (a multi-process first run): the one whose
+    finished directory cannot replace the other's uses the other's. Linux refuses that rename
+    with ENOTEMPTY, which once escaped as an error."""
+    from delta_jax.data import prepare as prepare_module
+
+    root, winner = cache
+    target = tmp_path / winner.relative_to(root)
+    real_find = prepare_module.find_inputs
+
+    def find_then_lose(inputs):
+        found = real_find(inputs)
+        shutil.copytree(winner, target)  # the other process finishes while this one works
+        return found
+
+    monkeypatch.setattr(prepare_module, "find_inputs", find_then_lose)
+    assert default_prepared_data(tmp_path) == target
+    assert json.loads((target / "metadata.json").read_text()) == json.loads(
+        (winner / "metadata.json").read_text())
+    assert not [p for p in target.parent.iterdir() if ".tmp-" in p.name]  # nothing left over

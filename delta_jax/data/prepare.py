@@ -25,6 +25,7 @@ stable under reordering or resharding the inputs, and duplicates land in the sam
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -322,7 +323,12 @@ def prepare(inputs: Sequence[str | os.PathLike], output_dir: str | os.PathLike, 
             "inputs": [str(f) for f in files], "skipped_empty_documents": empty, "splits": splits,
         }
         (tmp / METADATA).write_text(json.dumps(metadata, indent=1) + "\n")
-        os.rename(tmp, out)  # replaces an empty directory; fails if another writer got there first
+        try:
+            os.rename(tmp, out)  # replaces an empty directory
+        except OSError as e:  # Linux says ENOTEMPTY where another writer got there first
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise FileExistsError(f"{out}: another writer finished it first") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
