@@ -1,4 +1,5 @@
 """load_pretrained / save_pretrained against transformers' Qwen3ForCausalLM (the oracle, CPU)."""
+import dataclasses
 import json
 import shutil
 
@@ -8,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from delta_jax import load_pretrained, save_pretrained
+from delta_jax import ModelConfig, init_model, load_pretrained, save_pretrained
 from delta_jax.hf import save as save_module
 from delta_jax.hf.safetensors_io import read_header
 from delta_jax.sharding import make_mesh, state_shardings
@@ -133,3 +134,25 @@ def test_save_refuses_to_replace_a_folder_that_is_not_a_model(loaded, tmp_path):
     with pytest.raises(ValueError, match="notes: exists and is not a model folder"):
         save_pretrained(loaded["tied"], tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_saved_token_ids_exist_in_the_vocabulary(tmp_path):
+    """Qwen3's bos/eos ids (151643/151645) stay where the vocabulary holds them; a small
+    vocabulary gets its tokenizer's EOS where it holds that, else null."""
+    def ids(folder):
+        config = json.loads((folder / "config.json").read_text())
+        return config["bos_token_id"], config["eos_token_id"]
+
+    small = ModelConfig(vocab_size=384, hidden_size=16, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=8, intermediate_size=32, residual="baseline")
+    model = init_model(small)
+    assert ids(save_pretrained(model, tmp_path / "none")) == (None, None)
+    with_byte = save_pretrained(model, tmp_path / "byte", tokenizer="byte")
+    assert ids(with_byte) == (256, 256)
+    copied = save_pretrained(model, tmp_path / "copied", tokenizer=with_byte / "tokenizer.json")
+    assert (copied / "tokenizer.json").read_bytes() == (with_byte / "tokenizer.json").read_bytes()
+    assert (copied / "tokenizer_config.json").is_file() and ids(copied) == (256, 256)
+    tiny = init_model(dataclasses.replace(small, vocab_size=200))  # EOS 256 is not in it
+    assert ids(save_pretrained(tiny, tmp_path / "tiny", tokenizer="byte")) == (None, None)
+    qwen_sized = init_model(dataclasses.replace(small, vocab_size=151936))
+    assert ids(save_pretrained(qwen_sized, tmp_path / "qwen", tokenizer="byte")) == (151643, 151645)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from delta_jax.data.tokenizers import get_tokenizer, token_dtype
+from delta_jax.data.tokenizers import get_tokenizer, token_dtype, write_byte_tokenizer
 
 TEXTS = ["", "plain ASCII.", "héllo wörld — ünïcödé ✓", "日本語のテキスト",
          "emoji 🤗 and\ttabs\n\nnewlines"]
@@ -97,3 +97,19 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         get_tokenizer(str(tmp_path / "bad"))
+
+
+def test_byte_tokenizer_as_tokenizer_json(tmp_path):
+    """The byte tokenizer written for exports gives the same ids, to us and to transformers."""
+    write_byte_tokenizer(tmp_path)
+    exported, byte = get_tokenizer(str(tmp_path)), get_tokenizer("byte")
+    assert (exported.vocab_size, exported.eos_id) == (byte.vocab_size, byte.eos_id) == (257, 256)
+    texts = [*TEXTS, " two  spaces\tand a tab\n", "naïve ✓ 日本語", "\x00\x7f\u00ff"]
+    for text in texts:
+        assert exported.encode(text) == byte.encode(text), text
+        assert exported.decode(byte.encode(text)) == text
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf.eos_token_id == 256
+    for text in texts:
+        assert hf(text, add_special_tokens=False).input_ids == byte.encode(text), text

@@ -2,10 +2,11 @@
 
 hf_to_orbax writes step 0 in the layout of delta_jax.checkpoint and copies the folder's
 tokenizer files into <orbax dir>/tokenizer; orbax_to_hf copies them back from there (or from
-tokenizer_from). With a mesh, the model is placed on its shardings as it is read, so no device
-holds more than its share; orbax_to_hf also runs in every process of a multi-process run (process
-0 writes). Bad input raises ConversionError naming the path. The command line
-`python -m delta_jax.convert {hf-to-orbax,orbax-to-hf}` is in __main__.py.
+tokenizer_from), or writes the tokenizer a trainer run's data used. With a mesh, the model is
+placed on its shardings as it is read, so no device holds more than its share; orbax_to_hf also
+runs in every process of a multi-process run (process 0 writes). Bad input raises
+ConversionError naming the path. The command line `python -m delta_jax.convert
+{hf-to-orbax,orbax-to-hf}` is in __main__.py.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import Any
 from jax.sharding import Mesh
 
 from delta_jax.checkpoint import load_checkpoint, save_checkpoint
+from delta_jax.data.corpus import EMBEDDED
 from delta_jax.hf.keymap import ConversionError
 from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
 from delta_jax.hf.save import save_pretrained
+from delta_jax.loading import data_tokenizer, run_config
 from delta_jax.model import CausalLM
 
 TOKENIZER_DIR = "tokenizer"  # beside the step directories of an Orbax checkpoint
@@ -50,7 +53,15 @@ def orbax_to_hf(source: Path, target: Path, *, step: int | None = None, dtype: s
     if not source.is_dir():
         raise ConversionError(f"{source}: not an Orbax checkpoint directory")
     model = load_checkpoint(source, step, mesh=mesh)
-    save_pretrained(model, target, dtype=dtype,
-                    tokenizer_from=tokenizer_from or source / TOKENIZER_DIR,
+    save_pretrained(model, target, dtype=dtype, tokenizer=tokenizer_from or _tokenizer_of(source),
                     max_shard_size=max_shard_size, progress=progress)
     return model
+
+
+def _tokenizer_of(checkpoint: Path) -> str | Path | None:
+    """The tokenizer a checkpoint came with: the files hf_to_orbax copied, else the one its
+    training run's data was tokenised with (a trainer run's config.yaml beside it)."""
+    if (checkpoint / TOKENIZER_DIR).is_dir():
+        return checkpoint / TOKENIZER_DIR
+    run = run_config(checkpoint)
+    return data_tokenizer((run.get("data") or {}).get("path", EMBEDDED)) if run else None

@@ -5,7 +5,8 @@
   python -m delta_jax.convert orbax-to-hf ckpt/run out/qwen3-0.6b-delta-block [--step 20000]
 
 hf-to-orbax writes step 0 in the layout of delta_jax.checkpoint and copies the folder's tokenizer
-files into <orbax dir>/tokenizer; orbax-to-hf copies them back from there (or --tokenizer-from).
+files into <orbax dir>/tokenizer; orbax-to-hf copies them back from there (or --tokenizer-from),
+or writes the tokenizer of a trainer run's data (byte for the demo).
 --mesh DATA,FSDP,TENSOR shards the model over the devices while it passes through; orbax-to-hf
 also runs as several processes (launch/local.sh N --module delta_jax.convert orbax-to-hf ...,
 or --distributed), gathering one tensor at a time for process 0 to write. Bad input is reported
@@ -63,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     to_hf.add_argument("--dtype", choices=DTYPES, help="stored dtype (default: param dtype)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
-    to_hf.add_argument("--tokenizer-from", type=Path,
-                       help=f"folder with tokenizer files (default: <source>/{TOKENIZER_DIR})")
+    to_hf.add_argument("--tokenizer-from",
+                       help=f"folder with tokenizer files, a tokenizer.json or 'byte' (default: "
+                            f"<source>/{TOKENIZER_DIR}, else the tokenizer of the run's data)")
     add_parallel_arguments(to_hf)
     return parser
 

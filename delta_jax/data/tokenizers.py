@@ -154,6 +154,39 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte, as tokenizers' ByteLevel uses them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_byte_tokenizer(folder: str | os.PathLike) -> Path:
+    """Write the byte tokenizer as a Hugging Face tokenizer.json (+ tokenizer_config.json naming
+    its EOS) into `folder`, so that exported models carry it: ids 0..255 are the bytes, 256 is
+    <|endoftext|>, exactly as ByteTokenizer. Returns the tokenizer.json path."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _byte_level_alphabet().items()}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.token_to_id("<|endoftext|>") == ByteTokenizer.eos_id
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+              "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder / "tokenizer.json"
+
+
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer named by `spec`: "byte", "qwen3", or a path to a tokenizer.json (or its

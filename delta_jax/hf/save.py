@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from delta_jax.config import ModelConfig
+from delta_jax.data.tokenizers import HFTokenizer, write_byte_tokenizer
 from delta_jax.hf.keymap import (
     ConversionError,
     active_rules,
@@ -133,12 +134,15 @@ def _atomic_folder(target: Path) -> Iterator[Path]:
 
 
 def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
-                    tokenizer_from: str | Path | None = None,
+                    tokenizer: str | Path | None = None,
                     max_shard_size: int | str = "5GB", progress: bool = False) -> Path:
     """Write `model` as a Hugging Face folder at `path` (replacing a model folder already there).
 
     dtype: storage dtype of the tensors (default: the model's param dtype).
-    tokenizer_from: a folder whose tokenizer files (TOKENIZER_FILES) are copied along.
+    tokenizer: written beside the weights: a folder whose tokenizer files (TOKENIZER_FILES) are
+      copied, a tokenizer.json (with the tokenizer_config.json beside it), or "byte" (written
+      as a tokenizer.json). config.json's bos/eos ids are Qwen3's where the vocabulary holds
+      them, else the tokenizer's EOS, else null: never an id the embedding lacks.
     max_shard_size: above it the weights are split into shards with an index, as transformers.
     Returns the folder. Every process of a multi-process run calls this (the tensors are gathered
     from all of them, one at a time); process 0 writes, and all return once the folder is there.
@@ -156,7 +160,7 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
     target = Path(path)
     _check_replaceable(target)  # on every process, so that none starts gathering alone
     if jax.process_index() == 0:
-        _write_folder(model, target, dtype, layout, shards, hf_config, tokenizer_from, progress)
+        _write_folder(model, target, dtype, layout, shards, hf_config, tokenizer, progress)
     else:
         for _ in iter_hf_tensors(model, jnp.dtype(dtype)):  # take part in each gather
             pass
@@ -166,7 +170,7 @@ def save_pretrained(model: CausalLM, path: str | Path, *, dtype=None,
 
 
 def _write_folder(model: CausalLM, target: Path, dtype: str, layout: list[TensorInfo],
-                  shards: list[list[TensorInfo]], hf_config: dict, tokenizer_from, progress: bool
+                  shards: list[list[TensorInfo]], hf_config: dict, tokenizer, progress: bool
                   ) -> None:
     with _atomic_folder(target) as staging, \
             tqdm(total=len(layout), desc=f"saving {target.name}", unit="tensor",
@@ -189,8 +193,37 @@ def _write_folder(model: CausalLM, target: Path, dtype: str, layout: list[Tensor
             index = {"metadata": {"total_size": sum(info.nbytes for info in layout)},
                      "weight_map": weight_map}
             (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        eos_id = _write_tokenizer(tokenizer, staging)
+        hf_config = {**hf_config, **_token_ids(hf_config, model.config.vocab_size, eos_id)}
         (staging / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-        if tokenizer_from is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_from) / name).is_file():
-                    shutil.copyfile(Path(tokenizer_from) / name, staging / name)
+
+
+def _write_tokenizer(tokenizer: str | Path | None, folder: Path) -> int | None:
+    """Write `tokenizer` (see save_pretrained) into `folder`; its EOS id, None if none written."""
+    if tokenizer == "byte":
+        write_byte_tokenizer(folder)
+    elif tokenizer == "qwen3":
+        logger.warning("no tokenizer written: the built-in qwen3 tokenizer has no "
+                       "tokenizer.json; copy one from a Qwen3 model folder")
+    elif tokenizer is not None:
+        source = Path(tokenizer)
+        if source.is_file():  # a tokenizer.json, maybe named otherwise
+            shutil.copyfile(source, folder / "tokenizer.json")
+            source = source.parent
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file() and not (folder / name).exists():
+                shutil.copyfile(source / name, folder / name)
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        return HFTokenizer(folder).eos_id
+    except ValueError:  # a tokenizer that names no EOS: the ids stay Qwen3's or null
+        return None
+
+
+def _token_ids(hf_config: dict, vocab_size: int, eos_id: int | None) -> dict[str, int | None]:
+    """bos/eos ids that exist in the vocabulary: Qwen3's own where it holds them, else the
+    tokenizer's EOS where it does, else None."""
+    fallback = eos_id if eos_id is not None and eos_id < vocab_size else None
+    return {key: hf_config[key] if hf_config[key] < vocab_size else fallback
+            for key in ("bos_token_id", "eos_token_id")}
