@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.analyze import routing_statistics, source_names
+from delta_jax.analyze import heatmap_result, plot_heatmap, routing_statistics, source_names
 from delta_jax.analyze.__main__ import main
 from delta_jax.checkpoint import save_checkpoint
 from delta_jax.data.tokenizers import get_tokenizer
@@ -111,3 +111,27 @@ def test_cli_bad_input_exits_2(checkpoints, tmp_path, capsys, args, message):
               "--max-windows", "1", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("residual", ["delta", "delta_block", "full"])
+def test_trainer_heatmap_names_sites_and_sources_as_analyze(residual, tmp_path):
+    """The trainer's routing.png is drawn from its probe's weights by heatmap_result: the same
+    site and source names as analyze, and one-source sites in a grey layer of their own."""
+    cfg = tiny(residual, num_layers=2)
+    result = routing_statistics(init_model(cfg), read_stream([TEXT], tokenizer=BYTE), seq_len=T,
+                                max_windows=2)
+    drawn = heatmap_result(cfg, [np.array(r["mean_weights"]) for r in result["sites"]], "run")
+    assert [s["site"] for s in drawn["sites"]] == [r["site"] for r in result["sites"]]
+    assert [s["sources"] for s in drawn["sites"]] == [r["sources"] for r in result["sites"]]
+    figure = plot_heatmap(drawn, tmp_path / "routing.png")
+    single = [col for col, s in enumerate(drawn["sites"]) if s["num_sources"] == 1]
+    images = figure.axes[0].images
+    assert single or residual != "full"  # its first site sees only the embedding
+    assert len(images) == (2 if single else 1)
+    if single:
+        grey = ~np.ma.getmaskarray(images[1].get_array())
+        assert sorted(set(np.nonzero(grey)[1])) == single
+        assert np.ma.getmaskarray(images[0].get_array())[:, single].all()
+    extra = len(drawn["sites"]) + 1
+    with pytest.raises(ValueError, match=f"{extra} routing sites' weights"):
+        heatmap_result(cfg, [np.ones(1)] * extra, "run")

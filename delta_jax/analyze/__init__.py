@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure  # no pyplot: figures render with Agg, headless
 from matplotlib.ticker import MaxNLocator
 
@@ -34,6 +35,7 @@ from delta_jax.config import ModelConfig
 from delta_jax.data.tokenizers import check_token_ids
 from delta_jax.eval import TokenStream
 from delta_jax.model import CausalLM, Routing
+from delta_jax.model.schedule import schedule
 from delta_jax.sharding import mesh_of, on_mesh, put_batch, replicated
 
 SUBLAYERS = ("attn", "mlp")
@@ -167,27 +169,54 @@ def plot_max_weight(results: Sequence[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_heatmap(result: dict, path: Path) -> None:
-    """Mean weight of each source (rows) at each site (columns); blank where a site does not
-    see the source."""
+def plot_heatmap(result: dict, path: Path) -> Figure:
+    """Mean weight of each source (rows, oldest first) at each site (columns); blank where a site
+    does not see the source, grey where it sees only one (its weight is 1 by construction, and
+    would otherwise set the colour scale's reading)."""
     sites = result["sites"]
     rows = max(r["num_sources"] for r in sites)
     names = max((r["sources"] for r in sites), key=len)
-    grid = np.full((rows, len(sites)), np.nan)
+    grid, single = np.full((rows, len(sites)), np.nan), np.full((rows, len(sites)), np.nan)
     for col, r in enumerate(sites):
-        grid[:r["num_sources"], col] = r["mean_weights"]
+        (single if r["num_sources"] == 1 else grid)[:r["num_sources"], col] = r["mean_weights"]
     fig = Figure(figsize=(max(4.0, 0.32 * len(sites) + 2), max(3.0, 0.28 * rows + 1.5)))
     ax = fig.subplots()
     image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=0, vmax=1,
                       interpolation="nearest")
+    if not np.isnan(single).all():
+        ax.imshow(np.ma.masked_invalid(single), aspect="auto", interpolation="nearest",
+                  cmap=ListedColormap(["0.75"]))
     ax.set_xticks(range(len(sites)), [r["site"] for r in sites], rotation=90, fontsize=7)
     ax.set_yticks(range(rows), names, fontsize=7)
-    ax.set_xlabel("routing site")
+    ax.set_xlabel("routing site (grey: one source, weight 1)")
     ax.set_ylabel("source")
     ax.set_title(f"{_title(result)}: mean routing weights", fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
+
+
+def site_names(cfg: ModelConfig) -> list[str]:
+    """The used routing sites in call order, named as in routing_statistics ("L0.attn", ...,
+    "final")."""
+    counts = schedule(cfg).site_sources(cfg)
+    names = [f"L{layer}.{sublayer}" for layer in range(cfg.num_layers)
+             for s, sublayer in enumerate(SUBLAYERS) if counts[layer, s] > 0]
+    return names + (["final"] if cfg.has_final_site else [])
+
+
+def heatmap_result(cfg: ModelConfig, mean_weights: Sequence[np.ndarray], label: str) -> dict:
+    """What plot_heatmap draws, from per-site mean weights in call order (the trainer's routing
+    probe gives them)."""
+    names = site_names(cfg)
+    if len(mean_weights) != len(names):
+        raise ValueError(f"{len(mean_weights)} routing sites' weights for the {len(names)} sites "
+                         f"of residual={cfg.residual!r}")
+    return {"label": label, "residual": cfg.residual,
+            "sites": [{"site": name, "num_sources": len(w), "sources": source_names(cfg, len(w)),
+                       "mean_weights": [float(x) for x in np.asarray(w).reshape(-1)]}
+                      for name, w in zip(names, mean_weights)]}
 
 
 def _title(result: dict) -> str:

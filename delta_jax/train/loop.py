@@ -21,6 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from delta_jax.analyze import heatmap_result, plot_heatmap
 from delta_jax.checkpoint import load_checkpoint, load_checkpoint_config
 from delta_jax.config import RUNTIME_FIELDS
 from delta_jax.data.pipeline import (
@@ -518,10 +519,10 @@ class Trainer:
         paths["loss_plot"] = str(plots.plot_loss(metrics_lib.read_metrics(metrics_path),
                                                  plot_dir / "loss.png", name))
         if self.last_routing is not None:
-            paths["routing_plot"] = str(plots.plot_routing(
-                [np.asarray(w) for w in self.last_routing["mean_weights"]],
-                plots.site_labels(self.model_cfg), plot_dir / "routing.png",
-                f"routing weights, {name}"))
+            weights = [np.asarray(w) for w in self.last_routing["mean_weights"]]
+            paths["routing_plot"] = str(plot_dir / "routing.png")
+            plot_heatmap(heatmap_result(self.model_cfg, weights, self.out.name),
+                         plot_dir / "routing.png")
         return paths
 
 
