@@ -193,12 +193,14 @@ def test_cli_reads_the_embedded_corpus_with_the_run_s_packing(model, tmp_path, m
     run = tmp_path / "run"
     save_checkpoint(model, run / "checkpoints")
     (run / "config.yaml").write_text(yaml.safe_dump(
-        {"data": {"path": "embedded", "packing": "documents"}}))
+        {"data": {"path": "embedded", "packing": "documents"}, "train": {"seq_len": 32}}))
     monkeypatch.chdir(tmp_path)
     args = ["--model", str(run), "--seq-len", "32", "--max-tokens", "300"]
     result = main([*args, "--data", "embedded"])
     assert result["packing"] == "documents"
-    assert "packing: documents (the run's data.packing" in capsys.readouterr().err
+    assert "packing: documents, seq_len: 32 (the run's" in capsys.readouterr().err
+    by_default = main(args[:2] + args[4:] + ["--data", "embedded"])  # seq_len: the run's
+    assert {**by_default, "seconds": None} == {**result, "seconds": None}
     prepared = default_prepared_data(tmp_path / "data" / "cache")
     assert main([*args, "--data", str(prepared)])["perplexity"] == result["perplexity"]
     assert main([*args, "--data", "embedded", "--packing", "concat"])["packing"] == "concat"
@@ -208,4 +210,4 @@ def test_cli_reads_the_embedded_corpus_with_the_run_s_packing(model, tmp_path, m
     bare = tmp_path / "bare"
     save_checkpoint(model, bare)
     assert main(["--model", str(bare), *args[2:], "--data", "embedded"])["packing"] == "concat"
-    assert "packing: concat (no training run's config.yaml" in capsys.readouterr().err
+    assert "packing: concat, seq_len: 2048 (no training run's" in capsys.readouterr().err

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="validation", help="split of a prepared dir / TFDS")
     parser.add_argument("--tokenizer", help="byte, qwen3 or a tokenizer.json (default: the "
                         "model folder's, or the prepared data's)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="window length T")
+    parser.add_argument("--seq-len", type=int, help="window length T (default: the training "
+                        "run's train.seq_len; 2048 for other models)")
     parser.add_argument("--stride", type=int, help="tokens between window starts (default T)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     parser.add_argument("--packing", choices=PACKINGS,
@@ -44,17 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_packing(model: str) -> str:
-    """The packing `model` was trained with: its run's data.packing (a run saved before that key
-    ran with concat), concat for a model without a run; said on stderr."""
+def run_settings(model: str) -> tuple[str, int]:
+    """(packing, seq_len) as `model` was trained: its run's data.packing and train.seq_len (a
+    run saved before data.packing existed ran with concat); concat and 2048 for a model without
+    a run. Said on stderr. With them, and the trainer's number of validation tokens, eval gives
+    the trainer's validation perplexity."""
     run = run_config(model)
     if run is None:
-        packing, why = "concat", "no training run's config.yaml beside the model"
+        packing, seq_len, why = "concat", 2048, "no training run's config.yaml beside the model"
     else:
-        packing, why = (run.get("data") or {}).get("packing", "concat"), "the run's data.packing"
-    logging.getLogger("delta_jax.eval").info("packing: %s (%s; --packing overrides)", packing,
-                                             why)
-    return packing
+        packing = (run.get("data") or {}).get("packing", "concat")
+        seq_len = (run.get("train") or {}).get("seq_len", 2048)
+        why = "the run's data.packing and train.seq_len"
+    logging.getLogger("delta_jax.eval").info(
+        "packing: %s, seq_len: %d (%s; --packing and --seq-len override)", packing, seq_len, why)
+    return packing, seq_len
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -70,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         model, tokenizer = load_model_from_args(args)
         stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                              max_tokens=args.max_tokens)
-        packing = args.packing or run_packing(args.model)
-        result = {"model": args.model, **perplexity(model, stream, seq_len=args.seq_len,
+        packing, seq_len = run_settings(args.model)
+        packing, seq_len = args.packing or packing, args.seq_len or seq_len
+        result = {"model": args.model, **perplexity(model, stream, seq_len=seq_len,
                                                     stride=args.stride,
                                                     batch_size=args.batch_size,
                                                     packing=packing)}
