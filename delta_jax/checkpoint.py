@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 PARAMS = "params"
 MODEL_CONFIG = "model_config"
+# Tokenizer files kept beside the step directories (hf_to_orbax copies a folder's there).
+TOKENIZER_DIR = "tokenizer"
 
 
 def config_to_json(cfg: ModelConfig) -> dict[str, Any]:

@@ -7,8 +7,9 @@ directly: delta_jax.checkpoint.load_checkpoint (Orbax) and delta_jax.hf.load.loa
     `params` and `model_config`), or a trainer run folder keeping them under `PATH/checkpoints`;
   - a Hugging Face folder: config.json plus model.safetensors (or sharded model-*.safetensors).
 The tokenizer is the one named by `tokenizer` ("byte", "qwen3" or a tokenizer.json path), else a
-tokenizer.json found in PATH, else the one a trainer run's data used (its config.yaml), else
-None (the tools then take and print token ids).
+tokenizer.json found in PATH or in a checkpoint's tokenizer/ folder (hf_to_orbax keeps it
+there), else the one a trainer run's data used (its config.yaml), else None (the tools then
+take and print token ids).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import yaml
 from jax.sharding import Mesh
 
-from delta_jax.checkpoint import load_checkpoint
+from delta_jax.checkpoint import TOKENIZER_DIR, load_checkpoint
 from delta_jax.cli import mesh_from_args
 from delta_jax.data.corpus import EMBEDDED
 from delta_jax.data.prepare import METADATA
@@ -61,8 +62,9 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
                                     f"Orbax checkpoint directory (numbered step folders)")
         model = load_checkpoint(directory, step, mesh=mesh, **overrides)
 
-    if tokenizer is None and (path / "tokenizer.json").is_file():
-        tokenizer = str(path)
+    for folder in (path, path / TOKENIZER_DIR, path / "checkpoints" / TOKENIZER_DIR):
+        if tokenizer is None and (folder / "tokenizer.json").is_file():
+            tokenizer = str(folder)
     run = run_config(path)
     if tokenizer is None and run is not None:
         tokenizer = data_tokenizer((run.get("data") or {}).get("path", EMBEDDED))

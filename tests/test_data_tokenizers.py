@@ -40,6 +40,7 @@ def test_byte_tokenizer_is_utf8():
         assert tok.encode_array(text).tolist() == ids
         assert tok.decode(ids) == text
     assert tok.decode([104, 105, 256, 106]) == "hi<|endoftext|>j"
+    assert tok.decode([104, 300, 105, 383]) == "h\ufffdi\ufffd"  # a rounded-up vocabulary's
 
 
 @pytest.mark.parametrize("text,ids", QWEN_GOLDEN,

@@ -16,15 +16,13 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from delta_jax.checkpoint import load_checkpoint, save_checkpoint
+from delta_jax.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
 from delta_jax.data.corpus import EMBEDDED
 from delta_jax.hf.keymap import ConversionError
 from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
 from delta_jax.hf.save import save_pretrained
 from delta_jax.loading import data_tokenizer, run_config
 from delta_jax.model import CausalLM
-
-TOKENIZER_DIR = "tokenizer"  # beside the step directories of an Orbax checkpoint
 
 
 def hf_to_orbax(source: Path, target: Path, *, param_dtype: str = "float32",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 
+from delta_jax.checkpoint import TOKENIZER_DIR
 from delta_jax.cli import (
     add_parallel_arguments,
     enable_compilation_cache,
@@ -28,7 +29,7 @@ from delta_jax.cli import (
     start_processes,
 )
 from delta_jax.config import BLOCK_SOURCES, DTYPES, GATE_BASES, RESIDUALS, ROUTER_INITS
-from delta_jax.convert import TOKENIZER_DIR, hf_to_orbax, orbax_to_hf
+from delta_jax.convert import hf_to_orbax, orbax_to_hf
 from delta_jax.hf.keymap import ConversionError
 
 

@@ -77,13 +77,16 @@ class ByteTokenizer(Tokenizer):
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Ids past EOS (a model's vocabulary is rounded up, and an undertrained one samples
+        them) decode as U+FFFD, as undecodable bytes do."""
         out, run = [], bytearray()
         for i in ids:
-            if i == self.eos_id:
-                out += [run.decode("utf-8", errors="replace"), "<|endoftext|>"]
-                run = bytearray()
-            else:
+            if 0 <= i < 256:
                 run.append(i)
+                continue
+            out += [run.decode("utf-8", errors="replace"),
+                    "<|endoftext|>" if i == self.eos_id else "\ufffd"]
+            run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
 
 
