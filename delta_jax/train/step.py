@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from delta_jax.model.causal_lm import CausalLM, ModelOutput
 from delta_jax.sharding import batch_sharding
 from delta_jax.train.loss import vocab_chunked_cross_entropy
 from delta_jax.train.state import TrainState
@@ -26,66 +25,40 @@ from delta_jax.train.state import TrainState
 Batch = dict[str, jax.Array]
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """logits [B,T,V] any float dtype, labels [B,T] -> mean next-token CE, float32 []."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels).mean()
-
-
-def _counted_losses(labels: jax.Array, ce_of: Callable[[jax.Array], jax.Array]
-                    ) -> tuple[jax.Array, jax.Array]:
-    """labels [B,T] (< 0: no loss), ce_of(labels with those set to 0) -> CE [B,T] ->
-    (CE float32 [B,T], 0 where ignored; whether each token counts, bool [B,T])."""
-    counted = labels >= 0
-    return jnp.where(counted, ce_of(jnp.where(counted, labels, 0)), 0.0), counted
-
-
-def token_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """logits [B,T,V], labels [B,T] (< 0: no loss) -> (CE float32 [B,T], 0 where ignored;
-    whether each token counts, bool [B,T])."""
-    return _counted_losses(labels, lambda safe: optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), safe))
-
-
 def is_packed(batch: Batch) -> bool:
     """Whether `batch` holds documents packing's fields (and maybe ignored labels)."""
     return "segment_ids" in batch
 
 
-def _run_model(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> tuple[CausalLM, ModelOutput]:
-    """(the model, its ModelOutput on the batch's inputs)."""
+def token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch, vocab_chunks: int = 1
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The model's next-token CE on `batch`: (float32 [B,T], 0 where the label is ignored;
+    whether each token counts, bool [B,T]). With `vocab_chunks` > 1 (train.loss_vocab_chunks)
+    the [B,T,V] logits are never formed: the head runs that many vocabulary columns at a time
+    (train/loss.py)."""
     model = nnx.merge(graphdef, nnx.State(params))
-    return model, model.forward(batch["input_ids"], positions=batch.get("positions"),
-                                segment_ids=batch.get("segment_ids"))
-
-
-def _logits(graphdef: nnx.GraphDef, params: dict, batch: Batch) -> jax.Array:
-    return _run_model(graphdef, params, batch)[1].logits
-
-
-def _chunked_token_losses(graphdef: nnx.GraphDef, params: dict, batch: Batch,
-                          vocab_chunks: int) -> tuple[jax.Array, jax.Array]:
-    """token_losses without the [B,T,V] logits (train/loss.py)."""
-    model, output = _run_model(graphdef, params, batch)
-    head = model.head()
-    hidden = output.hidden.astype(head.dtype)
-    return _counted_losses(batch["labels"], lambda safe: vocab_chunked_cross_entropy(
-        hidden, head, safe, vocab_chunks))
+    output = model.forward(batch["input_ids"], positions=batch.get("positions"),
+                           segment_ids=batch.get("segment_ids"))
+    labels = batch["labels"]
+    counted = labels >= 0
+    safe = jnp.where(counted, labels, 0)
+    if vocab_chunks > 1:
+        head = model.head()
+        ce = vocab_chunked_cross_entropy(output.hidden.astype(head.dtype), head, safe,
+                                         vocab_chunks)
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(
+            output.logits.astype(jnp.float32), safe)
+    return jnp.where(counted, ce, 0.0), counted
 
 
 def _loss(graphdef: nnx.GraphDef, params: dict, batch: Batch, tokens: jax.Array,
           vocab_chunks: int = 1) -> jax.Array:
     """The microbatch's CE summed over its counted tokens / `tokens` (float32 []: the mean count
     per microbatch, so that averaging over microbatches weighs every token of the batch alike);
-    concat batches keep the plain mean, bit for bit what it always was. `vocab_chunks` > 1
-    forms the logits that many vocabulary columns at a time (train.loss_vocab_chunks)."""
-    if vocab_chunks > 1:
-        ce, _ = _chunked_token_losses(graphdef, params, batch, vocab_chunks)
-        return ce.mean() if not is_packed(batch) else ce.sum() / tokens
-    logits = _logits(graphdef, params, batch)
-    if not is_packed(batch):
-        return cross_entropy(logits, batch["labels"])
-    return token_losses(logits, batch["labels"])[0].sum() / tokens
+    concat batches, where every token counts, take the plain mean."""
+    ce, _ = token_losses(graphdef, params, batch, vocab_chunks)
+    return ce.sum() / tokens if is_packed(batch) else ce.mean()
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -159,15 +132,7 @@ def make_eval_step(graphdef: nnx.GraphDef, param_shardings: dict, mesh: Mesh,
     """(params, batch [B,T]) -> (summed token CE float32 [], counted tokens int32 []): divide
     the sums over batches by the counts. `loss_vocab_chunks` as in make_train_step."""
     def evaluate(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        if loss_vocab_chunks > 1:
-            ce, counted = _chunked_token_losses(graphdef, params, batch, loss_vocab_chunks)
-            return ce.sum(), counted.sum(dtype=jnp.int32)
-        logits = _logits(graphdef, params, batch)
-        if not is_packed(batch):
-            labels = batch["labels"]
-            return (optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), labels).sum(), jnp.int32(labels.size))
-        ce, counted = token_losses(logits, batch["labels"])
+        ce, counted = token_losses(graphdef, params, batch, loss_vocab_chunks)
         return ce.sum(), counted.sum(dtype=jnp.int32)
 
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding(mesh)),
