@@ -36,6 +36,7 @@ _EXPORTS = {
     "from_state_dict": "delta_jax.hf.state_dict",
     "to_state_dict": "delta_jax.hf.state_dict",
     "load_model": "delta_jax.loading",
+    "load_tokenizer": "delta_jax.loading",
     "load_pretrained": "delta_jax.hf.load",
     "save_pretrained": "delta_jax.hf.save",
 }

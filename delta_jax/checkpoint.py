@@ -41,9 +41,29 @@ def config_from_json(fields: dict[str, Any], *, source: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# What read_only=True implies; given explicitly, Orbax does not warn that it set them itself.
+_READ_ONLY_IMPLIES = {"create": False, "save_interval_steps": 0, "cleanup_tmp_directories": False}
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops Orbax's WARNING that a read-only manager's directory is read only: the reader asked
+    for exactly that, and every checkpoint read printed it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only=")
+
+
 def manager(directory: str | Path, **options: Any) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(Path(directory).absolute(),
-                                 options=ocp.CheckpointManagerOptions(**options))
+    if options.get("read_only"):
+        options = {**_READ_ONLY_IMPLIES, **options}
+    notice = _ReadOnlyNotice()
+    orbax_log = logging.getLogger("absl")  # Orbax logs through absl
+    orbax_log.addFilter(notice)
+    try:
+        return ocp.CheckpointManager(Path(directory).absolute(),
+                                     options=ocp.CheckpointManagerOptions(**options))
+    finally:
+        orbax_log.removeFilter(notice)
 
 
 def save_checkpoint(model: CausalLM, directory: str | Path, step: int = 0) -> Path:

@@ -13,7 +13,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from delta_jax.config import DTYPES
 
@@ -52,6 +52,18 @@ def setup_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
     logging.getLogger("delta_jax").setLevel(logging.INFO)
+
+
+EXIT_USER_ERROR = 2  # argparse's code for a bad command line
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """End on a user's mistake (a bad flag, config key or value, or file): one `error:` line on
+    stderr, naming what is at fault and what was expected, and exit code 2; no traceback.
+    A message of several lines (a YAML parser's, say) is joined into one with "; "."""
+    one_line = "; ".join(line.strip() for line in message.splitlines() if line.strip())
+    print(f"error: {one_line}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

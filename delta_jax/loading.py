@@ -1,15 +1,18 @@
-"""The one front door for reading a model: `load_model(path)` -> (model, tokenizer).
+"""The one front door for reading a model: `load_model(path)` -> the model, and
+`load_tokenizer(path)` -> its tokenizer or None.
 
-It dispatches on what the folder holds to the reader of that format, which can also be called
-directly: delta_jax.checkpoint.load_checkpoint (Orbax) and delta_jax.hf.load.load_pretrained
-(Hugging Face safetensors). PATH may be
+Every model reader returns the model alone (a CausalLM), and the tokenizer is read on its own,
+as Hugging Face's AutoModel and AutoTokenizer do. load_model dispatches on what the folder
+holds to the reader of that format, which can also be called directly:
+delta_jax.checkpoint.load_checkpoint (Orbax) and delta_jax.hf.load.load_pretrained (Hugging
+Face safetensors). PATH may be
   - an Orbax model checkpoint directory (delta_jax.checkpoint layout: step directories holding
     `params` and `model_config`), or a trainer run folder keeping them under `PATH/checkpoints`;
   - a Hugging Face folder: config.json plus model.safetensors (or sharded model-*.safetensors).
-The tokenizer is the one named by `tokenizer` ("byte", "qwen3" or a tokenizer.json path), else a
-tokenizer.json found in PATH or in a checkpoint's tokenizer/ folder (hf_to_orbax keeps it
-there), else the one a trainer run's data used (its config.yaml), else None (the tools then
-take and print token ids).
+load_tokenizer gives the one named by `tokenizer` ("byte", "qwen3" or a tokenizer.json path),
+else a tokenizer.json found in PATH or in a checkpoint's tokenizer/ folder (hf_to_orbax keeps it
+there), else the one a trainer run's data used (its config.yaml), else None (the tools then take
+and print token ids).
 """
 from __future__ import annotations
 
@@ -36,9 +39,10 @@ def _is_checkpoint_dir(path: Path) -> bool:
     return any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
 
 
-def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | None = None,
-               mesh: Mesh | None = None, **overrides: Any) -> tuple[CausalLM, Tokenizer | None]:
-    """(model, tokenizer or None) from a checkpoint, run folder or Hugging Face folder.
+def load_model(path: str | Path, *, step: int | None = None, mesh: Mesh | None = None,
+               **overrides: Any) -> CausalLM:
+    """The model of a checkpoint, run folder or Hugging Face folder (its tokenizer:
+    load_tokenizer).
 
     `step` picks a checkpoint step (default: the latest). With a `mesh`, every parameter is
     read directly onto its sharding (the tools then run on that mesh). `overrides` are
@@ -54,22 +58,25 @@ def load_model(path: str | Path, *, tokenizer: str | None = None, step: int | No
     if (path / HF_CONFIG).is_file():
         if step is not None:
             raise ValueError(f"{path}: a Hugging Face folder has no steps (got step={step})")
-        model = load_pretrained(path, mesh=mesh, **overrides)
-    else:
-        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        if not _is_checkpoint_dir(directory):
-            raise FileNotFoundError(f"{path}: neither a Hugging Face folder ({HF_CONFIG}) nor an "
-                                    f"Orbax checkpoint directory (numbered step folders)")
-        model = load_checkpoint(directory, step, mesh=mesh, **overrides)
+        return load_pretrained(path, mesh=mesh, **overrides)
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not _is_checkpoint_dir(directory):
+        raise FileNotFoundError(f"{path}: neither a Hugging Face folder ({HF_CONFIG}) nor an "
+                                f"Orbax checkpoint directory (numbered step folders)")
+    return load_checkpoint(directory, step, mesh=mesh, **overrides)
 
+
+def load_tokenizer(path: str | Path, tokenizer: str | None = None) -> Tokenizer | None:
+    """The tokenizer for the model at `path`: `tokenizer` if given, else a tokenizer.json in
+    `path` or its checkpoint's tokenizer/ folder, else the one its training run's data used,
+    else None (see the module doc)."""
+    path = Path(path)
     for folder in (path, path / TOKENIZER_DIR, path / "checkpoints" / TOKENIZER_DIR):
         if tokenizer is None and (folder / "tokenizer.json").is_file():
             tokenizer = str(folder)
-    run = run_config(path)
-    if tokenizer is None and run is not None:
+    if tokenizer is None and (run := run_config(path)) is not None:
         tokenizer = data_tokenizer((run.get("data") or {}).get("path", EMBEDDED))
-    tok = get_tokenizer(tokenizer) if tokenizer is not None else None
-    return model, tok
+    return get_tokenizer(tokenizer) if tokenizer is not None else None
 
 
 def run_config(path: str | Path) -> dict | None:
@@ -81,10 +88,15 @@ def run_config(path: str | Path) -> dict | None:
     return None
 
 
-def load_model_from_args(args: argparse.Namespace) -> tuple[CausalLM, Tokenizer | None]:
-    """load_model for a command built with cli.add_model_arguments and a --tokenizer option."""
-    return load_model(args.model, tokenizer=args.tokenizer or None, step=args.step,
-                      mesh=mesh_from_args(args), **({"dtype": args.dtype} if args.dtype else {}))
+def load_model_from_args(args: argparse.Namespace) -> CausalLM:
+    """load_model for a command built with cli.add_model_arguments."""
+    return load_model(args.model, step=args.step, mesh=mesh_from_args(args),
+                      **({"dtype": args.dtype} if args.dtype else {}))
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:
+    """load_tokenizer for a command with --model and a --tokenizer option."""
+    return load_tokenizer(args.model, args.tokenizer or None)
 
 
 def data_tokenizer(data: str) -> str | None:

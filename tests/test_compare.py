@@ -215,12 +215,12 @@ def test_paired_difference_interval():
 
 
 def test_a_failing_run_stops_the_comparison_with_its_exit_code(setup, tmp_path, capsys):
-    """A run whose data cannot be read: the trainer's preflight exits 1, compare exits with it."""
+    """A run whose data cannot be read: the trainer's preflight exits 2, compare exits with it."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(setup[1]), "--variants", "baseline", "--seeds", "0",
               "--output", str(tmp_path / "out"), f"data.path={tmp_path / 'missing'}"])
-    assert exit_info.value.code == 1
-    assert "baseline/seed0: python -m delta_jax.train exited with 1" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "baseline/seed0: python -m delta_jax.train exited with 2" in capsys.readouterr().err
 
 
 

@@ -1,6 +1,8 @@
 """Perplexity and bits per byte: by-hand values, strided windows, every data source, the CLI."""
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -148,6 +150,17 @@ def test_cli_json(checkpoint, model, tmp_path, capsys):
                           seq_len=64, stride=32)
     assert printed["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
     assert printed["tokens"] == 149 and printed["stride"] == 32
+
+
+def test_cli_reads_a_checkpoint_without_orbax_read_only_warnings(checkpoint):
+    """Each read-only checkpoint manager made Orbax print three WARNINGs (read_only=True,
+    setting ...; Given directory is read only=...), six per model read; none is left."""
+    done = subprocess.run([sys.executable, "-m", "delta_jax.eval", "--model", str(checkpoint),
+                           "--data", str(TEXT), "--tokenizer", "byte", "--seq-len", "32",
+                           "--max-tokens", "64"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["tokens"] == 63
+    assert "read_only" not in done.stderr and "read only" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -79,7 +79,8 @@ def test_sigterm_checkpoints_and_resumes_bitwise(straight, data_dir, root):  # n
     output = interrupt(cfg, root, signal.SIGTERM)
     step = int(re.search(r"SIGTERM received: checkpointed step (\d+) at", output)[1])
     assert 1 <= step < STEPS  # usually 1: the signal lands during the step-0 evaluation
-    assert Checkpointer(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint).steps()[0] == step
+    with Checkpointer(Path(cfg.output_dir) / "checkpoints", cfg.checkpoint) as saved:
+        assert saved.steps()[0] == step
     run(cfg)
     assert_same_run(cfg.output_dir, straight)
 
@@ -133,10 +134,8 @@ def test_a_damaged_newest_checkpoint_falls_back(straight, data_dir, root, damage
     else:
         (newest / "model_config" / "metadata").write_text("{not json")
     cfg = config(data_dir, out, "checkpoint.retry_wait_s=0.01")
-    trainer = Trainer(cfg)
-    with jax.set_mesh(trainer.mesh):
+    with Trainer(cfg) as trainer, jax.set_mesh(trainer.mesh):
         state, origin = trainer.initial_state()
-    trainer.checkpointer.close()
     assert origin == f"resumed from {out / 'checkpoints' / '3'}"
     assert int(state.step) == 3
     messages = [r.getMessage() for r in caplog.records]
@@ -174,10 +173,9 @@ def test_a_read_that_fails_at_first_is_retried_not_called_damaged(straight, data
     flaky = FilesAppearOnRetry(item.with_name("opt_state.unavailable"), item)
     logging.getLogger("delta_jax.train.checkpoints").addHandler(flaky)
     try:
-        trainer = Trainer(config(data_dir, out, "checkpoint.retry_wait_s=0.01"))
-        with jax.set_mesh(trainer.mesh):
+        with (Trainer(config(data_dir, out, "checkpoint.retry_wait_s=0.01")) as trainer,
+              jax.set_mesh(trainer.mesh)):
             state, origin = trainer.initial_state()
-        trainer.checkpointer.close()
     finally:
         logging.getLogger("delta_jax.train.checkpoints").removeHandler(flaky)
     assert flaky.failures == 1  # the first read did fail
@@ -197,12 +195,10 @@ def test_nan_steps_are_skipped_without_touching_the_state(data_dir, root):  # no
              if "skipped" in r}
     assert [train[s]["skipped"] for s in (1, 2, 3)] == [0, 1, 0]
     assert train[2]["loss"] is None and np.isfinite(train[3]["loss"])
-    trainer = Trainer(cfg)
-    target = abstract_state(cfg.model, trainer.tx, trainer.shardings)
-    with jax.set_mesh(trainer.mesh):
+    with Trainer(cfg) as trainer, jax.set_mesh(trainer.mesh):
+        target = abstract_state(cfg.model, trainer.tx, trainer.shardings)
         one, two = (jax.device_get(trainer.checkpointer.restore(s, target, trainer.train_iter)[0])
                     for s in (1, 2))
-    trainer.checkpointer.close()
     for a, b in zip(jax.tree.leaves((one.params, one.opt_state)),
                     jax.tree.leaves((two.params, two.opt_state))):
         np.testing.assert_array_equal(a, b)
@@ -235,14 +231,15 @@ def test_preflight_refusals(straight, data_dir, root, tmp_path):  # noqa: F811
         check_writable(tmp_path, 2**62)
     with pytest.raises(PreflightError, match="data.path='/nonexistent' is not readable"):
         Trainer(config(data_dir, tmp_path / "nodata", "data.path=/nonexistent"))
-    with pytest.raises(ValueError, match=r"mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but 8"):
+    with pytest.raises(PreflightError, match=r"mesh data=3 x fsdp=1 x tensor=1 = 3 devices, "
+                                             "but 8"):
         Trainer(config(data_dir, tmp_path / "mesh", "mesh.data=3"))
     # A changed model shape is refused with the differing fields, before Orbax reads arrays.
     out = tmp_path / "changed"
     shutil.copytree(straight, out)
-    trainer = Trainer(config(data_dir, out, "model.hidden_size=64", "model.num_blocks=4"))
-    with pytest.raises(PreflightError, match=r"hidden_size \(checkpoint 32, run 64\), "
-                                             r"num_blocks \(checkpoint 2, run 4\)"):
+    with (Trainer(config(data_dir, out, "model.hidden_size=64", "model.num_blocks=4")) as trainer,
+          pytest.raises(PreflightError, match=r"hidden_size \(checkpoint 32, run 64\), "
+                                              r"num_blocks \(checkpoint 2, run 4\)")):
         trainer.initial_state()
 
 

@@ -11,7 +11,7 @@ from delta_jax import ModelConfig, init_model
 from delta_jax.checkpoint import save_checkpoint
 from delta_jax.generate import Sampling, decode_memory, generate, left_pad, sample
 from delta_jax.generate.__main__ import main
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model, load_tokenizer
 
 VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [42]]  # left-padded to 7
@@ -160,7 +160,7 @@ def test_cli_prompt_ids_json(checkpoint, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["results"] == result["results"]
     assert [r["prompt_ids"] for r in printed["results"]] == [[1, 2, 3], [7]]
-    model, _ = load_model(checkpoint)
+    model = load_model(checkpoint)
     expected = generate(model, [[1, 2, 3], [7]], max_new_tokens=5)
     assert [r["ids"] for r in printed["results"]] == [expected.row(0), expected.row(1)]
     assert printed["results"][0]["text"] is None  # no tokenizer in the folder
@@ -198,7 +198,9 @@ def test_load_model_reads_a_run_folder_and_its_tokenizer(tmp_path):
     model = init_model(tiny("delta", vocab_size=300))
     save_checkpoint(model, tmp_path / "run" / "checkpoints", step=7)
     (tmp_path / "run" / "config.yaml").write_text("data:\n  path: embedded\n")
-    loaded, tokenizer = load_model(tmp_path / "run")
+    loaded, tokenizer = load_model(tmp_path / "run"), load_tokenizer(tmp_path / "run")
     assert tokenizer.name == "byte" and loaded.config == model.config
+    assert load_tokenizer(tmp_path / "run", "qwen3").name == "qwen3"  # the one asked for wins
+    assert load_tokenizer(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="neither a Hugging Face folder"):
         load_model(tmp_path)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from delta_jax.generate import generate
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model, load_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,7 +42,7 @@ def _hf_greedy(model, prompts):
 
 def test_greedy_matches_transformers(hf_folder):
     path, hf_model = hf_folder
-    model, tokenizer = load_model(path)
+    model, tokenizer = load_model(path), load_tokenizer(path)
     assert tokenizer is None and model.config.residual == "baseline"
     ours = generate(model, PROMPTS, max_new_tokens=NEW)
     # Batched with left padding, and each prompt alone.

@@ -45,12 +45,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device(checkpoint):
-    return load_model(checkpoint)[0]
+    return load_model(checkpoint)
 
 
 @pytest.fixture(scope="module", params=list(MESHES.values()), ids=list(MESHES))
 def sharded(checkpoint, request):
-    return load_model(checkpoint, mesh=make_mesh(*request.param))[0]
+    return load_model(checkpoint, mesh=make_mesh(*request.param))
 
 
 @pytest.fixture(scope="module")

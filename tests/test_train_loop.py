@@ -22,6 +22,7 @@ from delta_jax.data.prepare import prepare
 from delta_jax.sharding import make_mesh
 from delta_jax.train.checkpoints import Checkpointer
 from delta_jax.train.config import RunConfig, dump_config, load_config
+from delta_jax.train.faults import PreflightError
 from delta_jax.train.loop import Trainer, run
 from delta_jax.train.metrics import read_metrics
 from delta_jax.train.optimizer import make_optimizer
@@ -142,8 +143,8 @@ def test_resume_onto_another_mesh(straight, interrupted, data_dir):
         shardings = to_shardings(state_specs(cfg.model, tx, mesh), mesh)
         target = abstract_state(cfg.model, tx, shardings)
         iterator = Trainer(cfg).train_iter
-        state, _, _, data_restored = Checkpointer(copy / "checkpoints", cfg.checkpoint).restore(
-            SPLIT, target, iterator)
+        with Checkpointer(copy / "checkpoints", cfg.checkpoint) as saved:
+            state, _, _, data_restored = saved.restore(SPLIT, target, iterator)
         assert data_restored
         assert state.params["layers"]["mlp"]["up_proj"].sharding == (
             shardings.params["layers"]["mlp"]["up_proj"])
@@ -165,11 +166,13 @@ def test_resume_onto_another_mesh(straight, interrupted, data_dir):
 
 def test_resume_refuses_a_different_data_order(interrupted, data_dir):
     out, _ = interrupted
-    with pytest.raises(ValueError, match="saved with seed=0, resuming with 1 would change"):
-        Trainer(config(data_dir, out, "seed=1")).initial_state()
-    with pytest.raises(ValueError, match="saved with data.packing='documents', resuming with "
-                                         "'concat' would change"):
-        Trainer(config(data_dir, out, "data.packing=concat")).initial_state()
+    with (Trainer(config(data_dir, out, "seed=1")) as trainer,
+          pytest.raises(PreflightError, match="saved with seed=0, resuming with 1 would change")):
+        trainer.initial_state()
+    with (Trainer(config(data_dir, out, "data.packing=concat")) as trainer,
+          pytest.raises(PreflightError, match="saved with data.packing='documents', resuming "
+                                              "with 'concat' would change")):
+        trainer.initial_state()
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +211,10 @@ def test_a_checkpoint_saved_before_packing_resumes_as_concat(straight_concat, da
     shutil.copytree(straight_concat, old)
     shutil.rmtree(old / "checkpoints" / str(STEPS))
     _forget_packing(old / "checkpoints" / str(SPLIT))
-    with pytest.raises(ValueError, match="saved with data.packing='concat', resuming with "
-                                         "'documents' would change"):
-        Trainer(config(data_dir, old)).initial_state()
+    with (Trainer(config(data_dir, old)) as trainer,
+          pytest.raises(PreflightError, match="saved with data.packing='concat', resuming with "
+                                              "'documents' would change")):
+        trainer.initial_state()
     summary = run(config(data_dir, old, "data.packing=concat"))
     assert summary["start_step"] == SPLIT
     assert losses(old) == losses(straight_concat)
@@ -230,10 +234,12 @@ def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):
     expected = jax.device_get(nnx.state(saved, nnx.Param).to_pure_dict())
     for a, b in zip(jax.tree.leaves(params_at(out, 1)), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match=r"differs from the run's model in num_layers "
-                                         r"\(checkpoint 4, run 2\)"):
+    # Refused by the preflight, before the run's folder exists.
+    with pytest.raises(PreflightError, match=r"differs from the run's model in num_layers "
+                                             r"\(checkpoint 4, run 2\)"):
         Trainer(config(data_dir, tmp_path / "bad", f"train.init_from={tmp_path / 'pretrained'}",
-                       "model.num_layers=2")).initial_state()
+                       "model.num_layers=2"))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, tmp_path):

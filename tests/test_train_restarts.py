@@ -96,9 +96,8 @@ def test_kill_9_between_permanent_checkpoints_resumes_from_the_temporary_one(dat
     assert f"resumed from {checkpoints / str(newest)} (step {newest})" in output, output[-3000:]
     # The temporary checkpoint gave way to the final one; every permanent one is intact.
     assert committed_steps(checkpoints) == permanent + [newest + 2]
-    reader = Checkpointer(checkpoints, cfg.checkpoint)
-    assert [reader.restore_configs(s)[1]["step"] for s in permanent] == permanent
-    reader.close()
+    with Checkpointer(checkpoints, cfg.checkpoint) as reader:
+        assert [reader.restore_configs(s)[1]["step"] for s in permanent] == permanent
     params_at(cfg.output_dir, permanent[-1])
 
 

@@ -18,9 +18,8 @@ from delta_jax.cli import (
     start_processes,
 )
 from delta_jax.config import DTYPES
-from delta_jax.data.tokenizers import get_tokenizer
 from delta_jax.eval import read_stream
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model, load_tokenizer
 
 
 def _labels(paths: Sequence[str], given: Sequence[str] | None,
@@ -71,10 +70,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         mesh = mesh_from_args(args)
         results = []
         for path in args.model:
-            model, tokenizer = load_model(path, mesh=mesh,
-                                          **({"dtype": args.dtype} if args.dtype else {}))
-            if args.tokenizer:
-                tokenizer = get_tokenizer(args.tokenizer)
+            tokenizer = load_tokenizer(path, args.tokenizer or None)
+            model = load_model(path, mesh=mesh, **({"dtype": args.dtype} if args.dtype else {}))
             stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                                  max_tokens=args.seq_len * args.max_windows)
             try:

@@ -151,7 +151,7 @@ def routing_result(run: PlannedRun) -> dict[str, Any]:
     from delta_jax.train.loop import data_source
 
     t = run.config.train
-    model, _ = load_model(run.output_dir, step=steps)
+    model = load_model(run.output_dir, step=steps)
     stream = read_stream([str(data_source(run.config))], split=run.config.data.validation_split,
                          max_tokens=t.seq_len * ROUTING_WINDOWS)
     result = {"step": steps, **routing_statistics(model, stream, seq_len=t.seq_len,

@@ -212,17 +212,22 @@ def documents_batch(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
             "positions": positions}
 
 
+def data_tokenizer(data: str | os.PathLike, split: str = "train") -> dict:
+    """{"name", "vocab_size", "eos_id", ...} of the tokenizer behind `data`'s token ids (a
+    prepared directory's metadata, or a TFDS spec's tokenizer option)."""
+    if str(data).startswith("tfds:"):
+        tok = get_tokenizer(_parse_tfds(str(data)[5:])[1].get("tokenizer", "byte"))
+        return {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+    return PreparedSplit(data, split).metadata["tokenizer"]
+
+
 def _batch_fn(packing: str, data: str | os.PathLike, split: str):
     """The function from windows [L, T + 1] to batches of `packing`."""
     if packing == "concat":
         return _inputs_and_labels
     if packing != "documents":
         raise ValueError(f"packing={packing!r} is invalid: expected one of {', '.join(PACKINGS)}")
-    if str(data).startswith("tfds:"):
-        eos_id = get_tokenizer(_parse_tfds(str(data)[5:])[1].get("tokenizer", "byte")).eos_id
-    else:
-        eos_id = PreparedSplit(data, split).metadata["tokenizer"]["eos_id"]
-    return functools.partial(documents_batch, eos_id=eos_id)
+    return functools.partial(documents_batch, eos_id=data_tokenizer(data, split)["eos_id"])
 
 
 class _TokenizeExample:

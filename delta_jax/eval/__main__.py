@@ -18,7 +18,7 @@ from delta_jax.cli import (
 )
 from delta_jax.data.pipeline import PACKINGS
 from delta_jax.eval import perplexity, read_stream
-from delta_jax.loading import load_model_from_args, run_config
+from delta_jax.loading import load_model_from_args, run_config, tokenizer_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             if (value := getattr(args, name)) is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value}: expected a positive integer")
         start_processes(args)
-        model, tokenizer = load_model_from_args(args)
+        tokenizer = tokenizer_from_args(args)
+        model = load_model_from_args(args)
         stream = read_stream(args.data, tokenizer=tokenizer, split=args.split,
                              max_tokens=args.max_tokens)
         packing, seq_len = run_settings(args.model)

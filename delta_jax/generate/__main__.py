@@ -18,7 +18,7 @@ from delta_jax.cli import (
 )
 from delta_jax.data.tokenizers import Tokenizer
 from delta_jax.generate import Sampling, decode_memory, generate
-from delta_jax.loading import load_model_from_args
+from delta_jax.loading import load_model_from_args, tokenizer_from_args
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     try:
         start_processes(args)
-        model, tokenizer = load_model_from_args(args)
+        tokenizer = tokenizer_from_args(args)
+        model = load_model_from_args(args)
         prompts = _prompts(args, tokenizer)
         sampling = Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p)

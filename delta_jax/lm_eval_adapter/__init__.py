@@ -19,7 +19,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from delta_jax.generate import Sampling, generate
-from delta_jax.loading import load_model
+from delta_jax.loading import load_model, load_tokenizer
 from delta_jax.scoring import encode_pair, loglikelihood
 from delta_jax.sharding import make_hybrid_mesh
 
@@ -35,8 +35,8 @@ class DeltaJaxLM(LM):
         sizes = (data, fsdp, tensor)  # within each slice; the slices go on data
         mesh = (None if sizes == (None, None, None) else
                 make_hybrid_mesh([1 if n is None else int(n) for n in sizes]))
-        self.model, self.tokenizer = load_model(
-            pretrained, tokenizer=tokenizer, mesh=mesh, **({"dtype": dtype} if dtype else {}))
+        self.model = load_model(pretrained, mesh=mesh, **({"dtype": dtype} if dtype else {}))
+        self.tokenizer = load_tokenizer(pretrained, tokenizer)
         if self.tokenizer is None:
             raise ValueError(f"{pretrained}: lm-eval needs a tokenizer; pass tokenizer=byte, "
                              "qwen3 or a tokenizer.json path in --model_args")

@@ -4,7 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from delta_jax.cli import enable_compilation_cache, initialize_distributed, setup_logging
+from delta_jax.cli import (
+    enable_compilation_cache,
+    exit_with_error,
+    initialize_distributed,
+    setup_logging,
+)
 from delta_jax.train.config import load_config
 
 
@@ -23,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
     except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))
     if args.print_config:
         from delta_jax.train.config import dump_config
 
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         summary = run(cfg)
     except faults.PreflightError as e:
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))
     except faults.Preempted as e:
         print(e, flush=True)
         sys.exit(faults.EXIT_PREEMPTED)

@@ -172,3 +172,14 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Pending saves finish and the manager closes, however the block ends: a manager left
+        open has threads that fail at interpreter exit, after the run's last message."""
+        try:
+            self.wait()
+        finally:
+            self.close()

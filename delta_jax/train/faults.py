@@ -2,7 +2,9 @@
 
 Exit codes of `python -m delta_jax.train`:
   0   trained to train.steps
-  1   refused or crashed: a bad config, a failed preflight check, an exception
+  1   crashed: an exception (a traceback)
+  2   refused: a bad config or a failed preflight check, one `error:` line naming the key, value
+      or path at fault; nothing was written (no folder is created before every check passed)
   3   stopped after train.max_nonfinite_steps consecutive non-finite steps (the last checkpoint
       is the newest good state)
   75  stopped by SIGTERM or SIGINT after checkpointing the current step (EX_TEMPFAIL: run the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -85,21 +88,25 @@ def state_bytes(tree: Any) -> int:
 
 
 def check_writable(directory: str | Path, needed_bytes: int) -> None:
-    """Create `directory` and write a probe file; then require free space for `needed_bytes`
-    plus 10% (Orbax metadata, a second checkpoint while the older is deleted is not counted)."""
+    """Require that `directory` can be created (or written, if it exists) and has free space for
+    `needed_bytes` plus 10% (Orbax metadata; a second checkpoint while the older is deleted is
+    not counted). Creates nothing: a probe file is written in, and removed from, the nearest
+    folder that exists, so that a run refused later leaves no empty folders behind."""
     if "://" in str(directory):  # a bucket: no local notion of free space
         return
-    path = Path(directory)
+    path = Path(directory).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{uuid.uuid4().hex}"
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+        probe = existing / f".write_probe_{uuid.uuid4().hex}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
         reason = e.strerror or errno.errorcode.get(e.errno, str(e))
-        raise PreflightError(f"preflight: {path} is not writable ({reason}); choose another "
-                         "output_dir or checkpoint.directory") from None
-    free = shutil.disk_usage(path).free
+        raise PreflightError(f"preflight: {directory} is not writable ({reason} at {existing}); "
+                             "choose another output_dir or checkpoint.directory") from None
+    free = shutil.disk_usage(existing).free
     if free < needed_bytes * 1.1:
-        raise PreflightError(f"preflight: {path} has {free / 2**20:,.1f} MiB free, a checkpoint "
-                         f"needs about {needed_bytes * 1.1 / 2**20:,.1f} MiB")
+        raise PreflightError(f"preflight: {directory} has {free / 2**20:,.1f} MiB free, a "
+                             f"checkpoint needs about {needed_bytes * 1.1 / 2**20:,.1f} MiB")

@@ -28,6 +28,7 @@ from delta_jax.data.pipeline import (
     batch_keys,
     build_batch_iterator,
     build_eval_iterator,
+    data_tokenizer,
     to_global_array,
 )
 from delta_jax.model.causal_lm import count_params
@@ -69,8 +70,15 @@ SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat"}
 
 
 def build_mesh(cfg: MeshConfig) -> Mesh:
-    """The configured mesh over all devices of all processes, of every slice or node."""
-    return make_hybrid_mesh(cfg.per_slice, cfg.across_slices)
+    """The configured mesh over all devices of all processes, of every slice or node; a
+    PreflightError if its sizes do not fit them."""
+    try:
+        return make_hybrid_mesh(cfg.per_slice, cfg.across_slices)
+    except ValueError as e:  # the sizes (make_hybrid_mesh's message names them)
+        raise PreflightError(
+            f"preflight: {e}; expected mesh.data x mesh.fsdp x mesh.tensor to fill each slice "
+            "or node and mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_tensor the slices (one of "
+            "each may be -1: the rest), e.g. mesh.data=-1 mesh.fsdp=1 mesh.tensor=1") from None
 
 
 def data_source(cfg: RunConfig) -> str | Path:
@@ -82,13 +90,19 @@ def data_source(cfg: RunConfig) -> str | Path:
 
 
 def _check_batch(cfg: RunConfig, mesh: Mesh) -> None:
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = cfg.train.batch_size // cfg.train.grad_accum
-    if rows % shards or cfg.train.batch_size % jax.process_count():
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} with train.grad_accum="
-            f"{cfg.train.grad_accum} gives microbatches of {rows} rows, which must split over "
-            f"mesh data x fsdp = {shards} devices and {jax.process_count()} processes")
+    """Each microbatch's rows split evenly over the batch's devices (data x fsdp) and every
+    process reads the same number of rows."""
+    t, shards = cfg.train, mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = t.batch_size // t.grad_accum
+    if rows % shards or t.batch_size % jax.process_count():
+        multiple = math.lcm(shards * t.grad_accum, jax.process_count())
+        fits = sorted({max(multiple, t.batch_size // multiple * multiple),
+                       -(-t.batch_size // multiple) * multiple})
+        raise PreflightError(
+            f"preflight: train.batch_size={t.batch_size} with train.grad_accum={t.grad_accum} "
+            f"gives microbatches of {rows} rows, which must split over mesh data x fsdp = "
+            f"{shards} devices and {jax.process_count()} process(es): expected a multiple of "
+            f"{multiple}, e.g. " + " or ".join(f"train.batch_size={b}" for b in fits))
 
 
 def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
@@ -99,9 +113,9 @@ def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
             old, new = old.get(k, SAVED_BEFORE_THE_KEY.get(keys)), new[k]
         if old != new:
             name = ".".join(keys)
-            raise PreflightError(f"{where}: saved with {name}={old!r}, resuming with {new!r} would "
-                             f"change the training data; set {name}={old!r} or use a new "
-                             "output_dir")
+            raise PreflightError(f"{where}: saved with {name}={old!r}, resuming with {new!r} "
+                                 f"would change the training data; set {name}={old!r} or use a "
+                                 "new output_dir")
 
 
 def _check_architecture(saved, cfg, where: Path) -> None:
@@ -109,8 +123,19 @@ def _check_architecture(saved, cfg, where: Path) -> None:
             if k not in INIT_ONLY_FIELDS and getattr(cfg, k) != v}
     if diff:
         raise PreflightError(f"{where}: model_config differs from the run's model in "
-                         + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})"
-                                     for k, (a, b) in sorted(diff.items())))
+                             + ", ".join(f"{k} (checkpoint {a!r}, run {b!r})"
+                                         for k, (a, b) in sorted(diff.items())))
+
+
+def _check_init_from(init_from: str, model_cfg) -> None:
+    """train.init_from names a model checkpoint of the run's architecture."""
+    where = Path(init_from)
+    try:
+        saved = load_checkpoint_config(where)
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"preflight: train.init_from={init_from!r} is not a model "
+                             f"checkpoint ({type(e).__name__}: {e})") from e
+    _check_architecture(saved, model_cfg, where)
 
 
 def _read_everywhere(error: Exception | None) -> bool:
@@ -176,7 +201,11 @@ class ProfileWindow:
 
 
 class Trainer:
-    """One run of RunConfig; `run()` trains to train.steps and returns the summary."""
+    """One run of RunConfig. Constructing it is the preflight: every check a user's config or
+    files can fail (mesh, batch, data, init_from, free space) runs there and raises
+    PreflightError before any folder is created. Entering it (`with Trainer(cfg) as trainer:`)
+    opens the checkpoint directory, closed again on every way out; `run()` then trains to
+    train.steps and returns the summary."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -190,25 +219,16 @@ class Trainer:
         self.graphdef, _ = abstract_graph_and_params(self.model_cfg)
         self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
-        # Preflight: fail here, with the path at fault, rather than at the first save.
-        checkpoint_dir = cfg.checkpoint.directory or str(self.out / "checkpoints")
+        self._open_data()
+        if cfg.train.init_from:
+            _check_init_from(cfg.train.init_from, self.model_cfg)
+        # Fail here, with the path at fault, rather than at the first save.
+        self.checkpoint_dir = cfg.checkpoint.directory or str(self.out / "checkpoints")
         if self.is_main:
             check_writable(self.out, 0)
-        check_writable(checkpoint_dir, state_bytes(
+        check_writable(self.checkpoint_dir, state_bytes(
             abstract_state(self.model_cfg, self.tx, self.shardings)))
-        self.checkpointer = Checkpointer(checkpoint_dir, cfg.checkpoint, cfg.train.steps)
-        try:
-            self.data = data_source(cfg)
-            self.train_iter = build_batch_iterator(
-                self.data, split="train", seq_len=cfg.train.seq_len,
-                global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch,
-                packing=cfg.data.packing)
-            self.probe_inputs = {k: v for k, v in next(self._eval_batches()).items()
-                                 if k != "labels"}
-        except (OSError, ValueError, StopIteration) as e:
-            raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
-                                 f"({type(e).__name__}: {e})") from e
+        self.checkpointer: Checkpointer | None = None  # while entered
         self.step_fn = make_train_step(self.graphdef, self.tx, self.lrs, cfg.train.grad_accum,
                                        self.shardings, self.mesh, cfg.train.inject_nan_steps,
                                        cfg.train.loss_vocab_chunks)
@@ -225,21 +245,53 @@ class Trainer:
         # The step of the newest checkpoint started by this run (or resumed from), and when.
         self.last_saved, self.saved_at = 0, time.monotonic()
 
+    def _open_data(self) -> None:
+        """The training iterator and a first validation batch (the routing probe's inputs),
+        or a PreflightError naming data.path."""
+        cfg = self.cfg
+        try:
+            self.data = data_source(cfg)
+            self.train_iter = build_batch_iterator(
+                self.data, split="train", seq_len=cfg.train.seq_len,
+                global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch,
+                packing=cfg.data.packing)
+            self.probe_inputs = {k: v for k, v in next(self._eval_batches()).items()
+                                 if k != "labels"}
+        except (OSError, ValueError, StopIteration) as e:
+            raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
+                                 f"({type(e).__name__}: {e})") from e
+        tokenizer = data_tokenizer(self.data)
+        if tokenizer["vocab_size"] > cfg.model.vocab_size:
+            raise PreflightError(
+                f"preflight: data.path={cfg.data.path!r} holds token ids of the "
+                f"{tokenizer['name']!r} tokenizer, below {tokenizer['vocab_size']}, but "
+                f"model.vocab_size={cfg.model.vocab_size}: expected model.vocab_size >= "
+                f"{tokenizer['vocab_size']} (or data prepared with the model's tokenizer)")
+
+    def __enter__(self) -> Trainer:
+        """Opens (and creates) the checkpoint directory."""
+        self.checkpointer = Checkpointer(self.checkpoint_dir, self.cfg.checkpoint,
+                                         self.cfg.train.steps)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.checkpointer.__exit__(*exc)
+
     # State ------------------------------------------------------------------------------
     def initial_state(self) -> tuple[TrainState, str]:
         """(state, how it was obtained): resumed > fine-tuned from init_from > fresh."""
         cfg = self.cfg
         latest = self.checkpointer.latest_step()
         if latest is not None and not cfg.checkpoint.resume:
-            raise ValueError(f"{self.checkpointer.directory}: holds checkpoints up to step "
-                             f"{latest} and checkpoint.resume=false; choose a new output_dir "
-                             "(or checkpoint.directory) or remove them")
+            raise PreflightError(f"{self.checkpointer.directory}: holds checkpoints up to step "
+                                 f"{latest} and checkpoint.resume=false; choose a new "
+                                 "output_dir (or checkpoint.directory) or remove them")
         for step in self.checkpointer.steps():
             if (resumed := self._resume(step)) is not None:
                 return resumed
         if cfg.train.init_from:
             where = Path(cfg.train.init_from)
-            _check_architecture(load_checkpoint_config(where), self.model_cfg, where)
             runtime = {k: getattr(self.model_cfg, k) for k in RUNTIME_FIELDS}
             model = load_checkpoint(where, mesh=self.mesh, **runtime)
             params = nnx.state(model, nnx.Param).to_pure_dict()
@@ -276,8 +328,8 @@ class Trainer:
             return self._damaged(step, error)
         if not data_restored:
             if str(self.data).startswith("tfds:"):
-                raise ValueError(f"{where}: saved by another number of processes; a TFDS "
-                                 "stream resumes only with the same number")
+                raise PreflightError(f"{where}: saved by another number of processes; a TFDS "
+                                     "stream resumes only with the same number")
             # Prepared data: the iterator's position is the step (data/pipeline.py).
             self.train_iter.set_state({"next_index": step})
         return state, f"resumed from {where}"
@@ -325,14 +377,16 @@ class Trainer:
 
     # The run ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train (inside `with self`); the run's config.yaml and metrics are written only once
+        the state is obtained, so a refused resumption leaves the folder as it was."""
         cfg, t = self.cfg, self.cfg.train
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(dump_config(cfg))
-            logger.info("config (%s):\n%s", self.out / "config.yaml", dump_config(cfg))
         with jax.set_mesh(self.mesh):
             state, origin = self.initial_state()
             start = int(jax.device_get(state.step))
+            if self.is_main:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "config.yaml").write_text(dump_config(cfg))
+                logger.info("config (%s):\n%s", self.out / "config.yaml", dump_config(cfg))
             writer = metrics_lib.MetricsWriter(self.out, write_files=self.is_main,
                                                tensorboard=t.tensorboard, resume_step=start)
             self._announce(origin, start)
@@ -343,7 +397,6 @@ class Trainer:
                 self.profiler.stop()
                 writer.close()
                 self.checkpointer.wait()
-                self.checkpointer.close()
         summary.update(self._finish(writer.path, summary["last_saved"]))
         return summary
 
@@ -547,7 +600,8 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
-    return Trainer(cfg).run()
+    with Trainer(cfg) as trainer:
+        return trainer.run()
 
 
 def _compiled_memory(compiled) -> tuple[int, int] | None:
