@@ -6,8 +6,11 @@ d/H), I intermediate_size, V vocab_size.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 RESIDUALS = ("baseline", "block", "full", "delta", "delta_block")
 BLOCK_SOURCES = ("reference", "paper")
@@ -16,17 +19,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
-ROUTING_KERNELS = ("xla", "pallas")
-ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, peel_block_starts, hoist_block_writes, rebuild_states,
-# routing_kernel, routing_logits, attention) only change how the same function is computed;
-# checkpoints may move between them.
+# unroll_layers, buffer_segments, hoist_block_writes, rebuild_states, attention) only change how
+# the same function is computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "peel_block_starts", "hoist_block_writes", "rebuild_states",
-                  "routing_kernel", "routing_logits", "attention")
+                  "buffer_segments", "hoist_block_writes", "rebuild_states", "attention")
+# Runtime fields that were removed, with the one way the model now computes what they chose.
+# Checkpoints and run configs written before still name them; being runtime fields, any value
+# loads as the same function, so they are dropped (git history holds the code they chose).
+RETIRED_FIELDS = {"routing_kernel": "xla", "routing_logits": "read", "peel_block_starts": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +74,6 @@ class ModelConfig:
     # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
     # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
     buffer_segments: int = 1
-    # The lean backward pass runs each block's first layer outside the loop over the block's
-    # other layers, which then know statically that they write no source (block variants; the
-    # model's drivers.py block_runs). v5p estimate at 1044M, delta_block: 1.1527 -> 1.1320 s a
-    # step for 19.78 -> 20.38 GiB a chip (BENCHMARKS.md), so off unless HBM is to spare.
-    peel_block_starts: bool = False
     # delta_block with the lean driver: where a layer loop (buffer_segments) begins at a block
     # boundary and holds no other, the driver commits the block's source before the loop, so no
     # layer inside it computes a write to mask out (delta_jax/model/drivers.py). v5p estimate
@@ -88,14 +86,6 @@ class ModelConfig:
     # (live at the peak 9.86 -> 9.33) for an estimated step 1.9% slower; 1044M 21.49 -> 18.86
     # (15.16 -> 13.87); 8B 36.37 -> 31.99 (24.83 -> 22.64). Off unless HBM is short.
     rebuild_states: bool = False
-    # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
-    # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
-    routing_kernel: str = "xla"
-    # When a buffer source's routing logits are computed: "read", by each site from the values
-    # it reads (two passes over the [S,B,T,D] buffer per site: logits, then the weighted sum);
-    # "write", once per source for every site when it is written (one [B,T,D] x [D,G] matmul),
-    # so that a site reads the values once. The same function; "xla" kernel only.
-    routing_logits: str = "read"
     # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
     # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
     # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
@@ -124,22 +114,15 @@ class ModelConfig:
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
                                ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES),
-                               ("routing_kernel", ROUTING_KERNELS),
-                               ("routing_logits", ROUTING_LOGITS),
                                ("attention", ATTENTION_KINDS)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
-        if self.routing_kernel == "pallas" and self.routing_logits == "write":
-            raise ValueError(
-                "ModelConfig.routing_logits='write' is invalid with routing_kernel='pallas': the "
-                "Pallas kernel forms the logits in its own pass over the buffer; use "
-                "routing_logits='read' with it, or routing_kernel='xla'")
         if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers",
-                      "peel_block_starts", "hoist_block_writes", "rebuild_states"):
+                      "hoist_block_writes", "rebuild_states"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         if not self.rms_norm_eps > 0:
@@ -235,3 +218,14 @@ PRESETS = {
     "qwen3-0.6b": "qwen3_0_6b",
     "8b": "paper_8b",
 }
+
+
+def without_retired_fields(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig `fields` as a checkpoint or run config at `where` wrote them, less the retired
+    runtime fields (RETIRED_FIELDS). One set to another way of running than the model's one
+    way is reported: the run goes on computing the same function the one way."""
+    for name, now in RETIRED_FIELDS.items():
+        if name in fields and fields[name] != now:
+            logger.warning("%s: model.%s=%r is retired; the model runs as %s=%r (the same "
+                           "function)", where, name, fields[name], name, now)
+    return {k: v for k, v in fields.items() if k not in RETIRED_FIELDS}

@@ -110,6 +110,19 @@ def test_cli_prints_the_resolved_config_and_round_trips(tmp_path, capsys):
         main(["--config", str(CONFIGS / "demo.yaml"), "train.nope=1"])
 
 
+def test_a_run_config_naming_retired_runtime_fields_loads(tmp_path, caplog):
+    """An earlier run's config.yaml names every model field, retired runtime ones included: it
+    still loads, as the same run; a retired field set to another way of running is reported."""
+    old = tmp_path / "config.yaml"
+    old.write_text(dump_config(load_config(CONFIGS / "demo.yaml")).replace(
+        "model:\n", "model:\n  routing_kernel: xla\n  routing_logits: write\n"
+        "  peel_block_starts: false\n"))
+    with caplog.at_level("WARNING", logger="delta_jax.config"):
+        assert load_config(old) == load_config(CONFIGS / "demo.yaml")
+    assert "model.routing_logits='write' is retired" in caplog.text
+    assert "routing_kernel" not in caplog.text and "peel_block_starts" not in caplog.text
+
+
 @pytest.mark.parametrize("device_kind, tflops", [
     ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918), ("TPU v4", 275),
     ("NVIDIA H100 80GB HBM3", 989), ("cpu", None)])

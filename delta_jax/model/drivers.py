@@ -7,12 +7,11 @@
   the input is the final buffer masked to the slots written before layer i) and recomputes the
   layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer
   memory, at the cost of one extra forward (the same as full remat). With `segments` > 1 it
-  runs the layers as consecutive loops over growing buffer prefixes (buffer_spans). With `peel`
-  its backward pass takes a block's first layer out of the loop over the block (block_runs), so
-  the block's other layers know statically that they write nothing. With `hoist` (delta_block)
-  a loop that is one block's first layers gets the block's source committed before it, and no
-  layer in it writes at all (hoistable). With `rebuild` (delta) it keeps one state a loop, not
-  one a layer, and rebuilds each layer's from the buffer (its stream is the sum of its sources).
+  runs the layers as consecutive loops over growing buffer prefixes (buffer_spans). With
+  `hoist` (delta_block) a loop that is one block's first layers gets the block's source
+  committed before it, and no layer in it writes at all (hoistable). With `rebuild` (delta) it
+  keeps one state a loop, not one a layer, and rebuilds each layer's from the buffer (its
+  stream is the sum of its sources).
 - `unrolled`: a Python loop with static layer indices; the reference path tests compare against.
 
 Conventions: L layers; types from protocol.py. `step(inputs_l, carry, row) -> LayerOutput` runs
@@ -54,9 +53,9 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
 
 
 def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
+             segments: int = 1, hoist=None, rebuild=None):
     # One loop: its per-layer routing weights are padded to the whole buffer.
-    del segments, peel, hoist, rebuild
+    del segments, hoist, rebuild
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -65,9 +64,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
 
 
 def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
-                 segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
+                 segments: int = 1, hoist=None, rebuild=None):
     # Always unrolled, always over the whole buffer (the reference path); its rows are static.
-    del unroll, segments, peel, hoist, rebuild
+    del unroll, segments, hoist, rebuild
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -77,12 +76,12 @@ def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = T
 
 
 def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple:
-    """The cotangent of a write (value, inv_rms, logits or None): what later layers' reads
-    left in its slot (none when the write did not happen)."""
+    """The cotangent of a write (value, inv_rms): what later layers' reads left in its slot
+    (none when the write did not happen)."""
     parts = d_buffer.slot(slot)
     if when is None:
         return parts
-    return tuple(None if part is None else jnp.where(when, part, 0) for part in parts)
+    return tuple(jnp.where(when, part, 0) for part in parts)
 
 
 def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple[int, int, int]]:
@@ -102,18 +101,6 @@ def hoistable(rows: ScheduleRow, start: int, end: int) -> bool:
     no other does before `end`, so its write can be made before the loop (hoist_block_writes)."""
     boundary = np.asarray(rows.boundary)[start:end]
     return bool(boundary[0]) and not boundary[1:].any()
-
-
-def block_runs(rows: ScheduleRow, start: int, end: int) -> list[tuple[int, int]]:
-    """Layers [start, end) as one run, or as two where that makes `boundary` constant over
-    each: a first layer that starts a block, then the block's others (a block variant's
-    segment, buffer_spans, usually begins at its block's first layer). Over a run with a
-    constant boundary the layers know statically whether they write (ScheduleRow.starts_block),
-    so a layer inside a block computes no write at all."""
-    boundary = np.asarray(rows.boundary)[start:end]
-    if len(boundary) > 1 and boundary[0] != boundary[1] and len(np.unique(boundary[1:])) == 1:
-        return [(start, start + 1), (start + 1, end)]
-    return [(start, end)]
 
 
 def _layer_range(stacked, start: int, end: int):
@@ -145,24 +132,22 @@ def _hoisted_write_backward(hoist, row: ScheduleRow, cotangent: Carry,
         # needs only the written slot.
         cotangent, value = jax.lax.optimization_barrier((cotangent, value))
 
-    def fields(value, site_queries):
-        write = hoist.write(value, row, final_buffer.replace(site_queries=site_queries))
-        return write.value, write.inv_rms, write.logits
+    def fields(value):
+        write = hoist.write(value, row, final_buffer)
+        return write.value, write.inv_rms
 
-    _, write_vjp = jax.vjp(fields, value, final_buffer.site_queries)
-    d_value, d_queries = write_vjp(_written_cotangent(cotangent.buffer, row.first_write, None))
+    _, write_vjp = jax.vjp(fields, value)
+    (d_value,) = write_vjp(_written_cotangent(cotangent.buffer, row.first_write, None))
     # Linear: its transpose is the same at any point, so evaluate it at zeros.
     zeros = jax.tree.map(jnp.zeros_like, cotangent)
     _, source_vjp = jax.vjp(lambda state, buffer: hoist.source(Carry(state, buffer), row),
                             zeros.state, zeros.buffer)
     d_state, d_buffer = source_vjp(d_value)
-    if d_queries is not None:
-        d_buffer = d_buffer.replace(site_queries=d_buffer.site_queries + d_queries)
     return jax.tree.map(jnp.add, cotangent, Carry(d_state, d_buffer))
 
 
 def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, peel: bool = False, hoist=None, rebuild=None):
+             segments: int = 1, hoist=None, rebuild=None):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
     layer by layer (the same program without while loops, for XLA's cost analysis).
@@ -171,9 +156,6 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     prefix its layers touch (buffer_spans): a site then reads about (segments + 1) /
     (2 * segments) of the slots instead of all S, forward and backward, for one copy of the
     prefix between loops and one loop body to compile per segment.
-
-    `peel` runs the backward pass of a segment that starts a block as its first layer, then a
-    loop over the block's others (block_runs).
 
     `hoist` (delta_block with hoist_block_writes, decoder.HoistedBlockWrite): a segment that is
     one block's first layers (hoistable) gets that block's source committed before its loop,
@@ -233,8 +215,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                 if within[1] - within[0] == 1:
                     # Outside a loop nothing orders the layer's recompute after the cotangent
                     # that reaches it: XLA would start it early and hold its saved activations
-                    # through the backward pass (both passes peeled, 1044M on v5p: 21.30
-                    # against 20.49 GiB a device).
+                    # through the backward pass.
                     cotangent, inputs_l, state_in, buffer = jax.lax.optimization_barrier(
                         (cotangent, inputs_l, state_in, final_buffer))
                 else:
@@ -246,7 +227,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                     # Over the final buffer: the slots layer `index` had not yet seen are masked
                     # in its sites, so reading them changes nothing and passes them no gradient.
                     out = step(p, Carry(state, buffer), row)
-                    return ((out.state, [(w.value, w.inv_rms, w.logits) for w in out.writes]),
+                    return ((out.state, [(w.value, w.inv_rms) for w in out.writes]),
                             [(w.slot, w.when) for w in out.writes])
 
                 _, vjp, targets = jax.vjp(layer_reads, inputs_l, state_in, buffer,
@@ -264,10 +245,6 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
                          final_buffer), d_inputs)
             return body
 
-        # With `peel`, a block variant's span runs as its first layer, then the rest of the
-        # block (block_runs): the rest then knows statically that it writes nothing, and
-        # recomputes no write. (The forward pass keeps one loop a span: split there too, XLA's
-        # program held more memory, 20.49 against 20.38 GiB a device at 1044M.)
         # Slots written before the loop (delta's embedding) reach the caller through d_carry.
         # Where nothing after the layers reads the buffer (delta, delta_block) its cotangent
         # arrives as zeros. In the looped program XLA sinks those zeros into the first backward
@@ -288,26 +265,19 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
         # (220M delta on v5p: 14.85 against 12.25 GiB a device).
         d_inputs = []
         d_state, d_buffer, final_buffer = d_carry.state, d_carry.buffer, final.buffer
-        for (span_start, span_end, length), states in zip(reversed(spans),
-                                                          reversed(state_inputs)):
+        for (start, end, length), states in zip(reversed(spans), reversed(state_inputs)):
             part, final_prefix = (Carry(d_state, d_buffer.prefix(length)),
                                   final_buffer.prefix(length))
-            span_runs = (block_runs(rows, span_start, span_end)
-                         if peel and span_start not in hoisted else [(span_start, span_end)])
-            for start, end in reversed(span_runs):
-                # With `rebuild`, `states` is the span's input state, which each layer's step
-                # reads whole; else the span's per-layer states, one a step.
-                span_input = None if rebuild is None else (span_start, states)
-                per_layer = (None if rebuild is not None
-                             else _layer_range(states, start - span_start, end - span_start))
-                (part, final_prefix), d_part = _over_layers(
-                    run_body((start, end), span_input), (part, final_prefix),
-                    (_layer_range(inputs, start, end), per_layer), start, end,
-                    reverse=True, unroll=unroll)
-                d_inputs.insert(0, d_part)
-            if span_start in hoisted:
-                part = _hoisted_write_backward(hoist, rows.at(span_start), part, final_prefix,
-                                               unroll)
+            # With `rebuild`, `states` is the span's input state, which each layer's step reads
+            # whole; else the span's per-layer states, one a step.
+            span_input = None if rebuild is None else (start, states)
+            (part, final_prefix), d_part = _over_layers(
+                run_body((start, end), span_input), (part, final_prefix),
+                (_layer_range(inputs, start, end), None if rebuild is not None else states),
+                start, end, reverse=True, unroll=unroll)
+            d_inputs.insert(0, d_part)
+            if start in hoisted:
+                part = _hoisted_write_backward(hoist, rows.at(start), part, final_prefix, unroll)
             d_state, d_buffer, final_buffer = part.state, part.buffer, final_prefix
             if not unroll:
                 d_buffer, final_buffer = jax.lax.optimization_barrier((d_buffer, final_buffer))

@@ -37,8 +37,7 @@ class Schedule:
 
     def rows(self) -> ScheduleRow:
         """The per-layer columns the layers read, [L] each."""
-        return ScheduleRow(layer=np.arange(len(self.first_write), dtype=np.int32),
-                           first_write=self.first_write, attn_visible=self.attn_visible,
+        return ScheduleRow(first_write=self.first_write, attn_visible=self.attn_visible,
                            boundary=self.boundary)
 
 
