@@ -92,6 +92,19 @@ def test_whole_logits_are_offered_in_vocabulary_chunks():
     assert not any(c.startswith("train.loss_vocab") for c, _ in knobs.alternatives(chunked, mesh))
 
 
+def test_delta_under_the_lean_driver_is_offered_rebuilt_states():
+    mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    delta = load_config("configs/220m.yaml", [*TINY, "model.residual=delta"])
+    offered = dict(knobs.alternatives(delta, mesh))
+    assert offered["model.rebuild_states=true"].model == delta.model.replace(
+        rebuild_states=True)
+    for others in (["model.residual=delta_block"], ["model.layer_driver=scan"],
+                   ["model.rebuild_states=true"]):  # no states to rebuild, or rebuilt already
+        run = load_config("configs/220m.yaml", [*TINY, "model.residual=delta", *others])
+        assert not any(c.startswith("model.rebuild_states") for c, _ in
+                       knobs.alternatives(run, mesh)), others
+
+
 def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main([*CONFIG, "--topology", "cpu:8", "--no-estimate", "--json", str(out),
@@ -400,3 +413,24 @@ def test_hoisted_block_writes_cost_delta_block_less_on_v5p():
     costs = {k: (p.bytes_accessed, p.estimated_step_s) for k, p in plans.items()}
     assert costs["true"][0] < 0.99 * costs["false"][0], costs
     assert costs["true"][1] < costs["false"][1], costs
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_delta_run_that_fits_only_with_rebuilt_states_is_told_so_on_v5p(tmp_path):
+    # One layer loop: the lean driver keeps 8 layers' input states, or 1 with rebuild_states.
+    # Judged against an HBM between the two, the planner's alternatives name the one that fits.
+    from delta_jax.plan.compile import compile_named
+
+    small = [*SMALL_V5P, "model.num_blocks=2", "model.residual=delta", "model.buffer_segments=1"]
+    run = load_config("configs/220m.yaml", small)
+    kept, rebuilt = (compile_named(r, "v5p:2x2x1", estimate=False).total_bytes
+                     for r in (run, knobs.with_rebuilt_states(run)))
+    assert rebuilt < kept
+    out, between = tmp_path / "plan.json", (kept + rebuilt) / 2 / 2**30
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", "--hbm-gib", repr(between),
+                 "--no-estimate", "--json", str(out), *small]) == 1
+    (row,) = json.loads(out.read_text())
+    offered = {alt["change"]: alt for alt in row["alternatives"]}
+    assert offered["model.rebuild_states=true"]["fits"] is True
+    assert offered["model.rebuild_states=true"]["total_bytes"] == rebuilt
