@@ -22,14 +22,15 @@ GATE_BASES = ("live", "stream")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, hoist_block_writes, rebuild_states, attention) only change how
-# the same function is computed; checkpoints may move between them.
+# unroll_layers, buffer_segments, rebuild_states, attention) only change how the same function
+# is computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "hoist_block_writes", "rebuild_states", "attention")
+                  "buffer_segments", "rebuild_states", "attention")
 # Runtime fields that were removed, with the one way the model now computes what they chose.
 # Checkpoints and run configs written before still name them; being runtime fields, any value
 # loads as the same function, so they are dropped (git history holds the code they chose).
-RETIRED_FIELDS = {"routing_kernel": "xla", "routing_logits": "read", "peel_block_starts": False}
+RETIRED_FIELDS = {"routing_kernel": "xla", "routing_logits": "read", "peel_block_starts": False,
+                  "hoist_block_writes": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +75,6 @@ class ModelConfig:
     # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
     # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
     buffer_segments: int = 1
-    # delta_block with the lean driver: where a layer loop (buffer_segments) begins at a block
-    # boundary and holds no other, the driver commits the block's source before the loop, so no
-    # layer inside it computes a write to mask out (delta_jax/model/drivers.py). v5p estimate
-    # at 1044M: 1.061x -> 1.034x the baseline's step (12.01 -> 12.12 GiB a chip then; 11.83 now).
-    hoist_block_writes: bool = False
     # delta with the lean driver: keep only each layer loop's input state (buffer_segments
     # loops) and rebuild each layer's input state from the buffer in the backward pass, as the
     # running sum of the sources written before it (delta_jax/model/decoder.py
@@ -123,7 +119,7 @@ class ModelConfig:
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers",
-                      "hoist_block_writes", "rebuild_states"):
+                      "rebuild_states"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         if not self.rms_norm_eps > 0:

@@ -18,7 +18,8 @@ from delta_jax.checkpoint import (
 )
 
 # What checkpoints saved before these runtime fields were retired hold besides today's fields.
-RETIRED = {"routing_kernel": "pallas", "routing_logits": "write", "peel_block_starts": True}
+RETIRED = {"routing_kernel": "pallas", "routing_logits": "write", "peel_block_starts": True,
+           "hoist_block_writes": False}
 
 
 def _save_with_config(model, directory, fields):

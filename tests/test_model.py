@@ -330,18 +330,28 @@ def test_layers_known_to_start_no_block_skip_their_write(residual):
     dict(buffer_segments=3, remat="save_dots", unroll_layers=True),
     dict(buffer_segments=2, block_sources="paper", null_source=True, routing_gate=True),
 ])
-def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra):
-    """With hoist_block_writes the lean driver commits delta_block's source before a loop that
-    is one block's first layers, and no layer inside computes a write: the same loss and
-    gradient as the unrolled reference. With 3 loops over 2 blocks of 3 layers only the first
-    loop ([0, 2)) is hoisted; the others keep their masked write."""
+def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypatch):
+    """The lean driver commits delta_block's source before a loop that is one block's first
+    layers, and no layer inside computes a write: the same loss and gradient as the unrolled
+    reference. With 2 loops over 2 blocks of 3 layers both are hoisted; with 3 loops only the
+    first ([0, 2)), the others keep their masked write."""
+    from delta_jax.model.decoder import HoistedBlockWrite
+
     cfg = tiny(residual="delta_block", num_layers=6, num_blocks=2, **extra)
     rows = schedule(cfg).rows()
     assert [hoistable(rows, a, b) for a, b in [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]] == [
         True, False, False, True, True]
     gate = 0.7 if cfg.routing_gate else None
     want_loss, want = _loss_and_grads(cfg.replace(unroll_layers=False), "unrolled", gate)
-    loss, grads = _loss_and_grads(cfg.replace(hoist_block_writes=True), "lean", gate)
+    hoisted_slots, original = set(), HoistedBlockWrite.source
+
+    def spy(self, carry, row):
+        hoisted_slots.add(int(row.first_write))
+        return original(self, carry, row)
+
+    monkeypatch.setattr(HoistedBlockWrite, "source", spy)
+    loss, grads = _loss_and_grads(cfg, "lean", gate)
+    assert hoisted_slots == ({0, 1} if cfg.buffer_segments == 2 else {0})
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     flat = lambda tree: jnp.concatenate([g.ravel() for g in jax.tree.leaves(tree)])
     assert _relative_error(flat(want), flat(grads)) < 1e-5

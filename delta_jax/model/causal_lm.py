@@ -123,8 +123,7 @@ class CausalLM(nnx.Module):
             context = LayerContext(rope, layer_cache, segment_ids)
             return nnx.merge(graphdef, params_l)(c, row, context)
 
-        hoist = (HoistedBlockWrite(cfg)
-                 if cfg.hoist_block_writes and cfg.residual == "delta_block" else None)
+        hoist = HoistedBlockWrite(cfg) if cfg.residual == "delta_block" else None
         rebuild = (DeltaStateRebuild()
                    if cfg.rebuild_states and cfg.residual == "delta" else None)
         carry, (site_weights, layer_caches) = DRIVERS[driver](

@@ -98,7 +98,7 @@ def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple
 
 def hoistable(rows: ScheduleRow, start: int, end: int) -> bool:
     """Whether layers [start, end) are one block's first layers: a block starts at `start` and
-    no other does before `end`, so its write can be made before the loop (hoist_block_writes)."""
+    no other does before `end`, so its write can be made before the loop."""
     boundary = np.asarray(rows.boundary)[start:end]
     return bool(boundary[0]) and not boundary[1:].any()
 
@@ -157,7 +157,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
     (2 * segments) of the slots instead of all S, forward and backward, for one copy of the
     prefix between loops and one loop body to compile per segment.
 
-    `hoist` (delta_block with hoist_block_writes, decoder.HoistedBlockWrite): a segment that is
+    `hoist` (delta_block, decoder.HoistedBlockWrite): a segment that is
     one block's first layers (hoistable) gets that block's source committed before its loop,
     so that no layer inside the loop computes a write to mask out (ScheduleRow.write_hoisted);
     the backward pass adds the write's cotangent to the segment's input after the loop.

@@ -133,7 +133,7 @@ class ScheduleRow:
                   variant's layer that knows it starts no block then writes nothing at all
                   instead of computing a write and masking it out.
     write_hoisted: static; True where the driver has already committed the block source a
-                  layer starting a block would write (delta_block, hoist_block_writes): the
+                  layer starting a block would write (delta_block, drivers.hoistable): the
                   layer writes nothing, and its MLP site reads that source from the buffer.
     """
     first_write: Any
