@@ -22,15 +22,17 @@ GATE_BASES = ("live", "stream")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, rebuild_states, attention) only change how the same function
-# is computed; checkpoints may move between them.
+# unroll_layers, layer_loops, rebuild_states, attention) only change how the same function is
+# computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "rebuild_states", "attention")
+                  "layer_loops", "rebuild_states", "attention")
 # Runtime fields that were removed, with the one way the model now computes what they chose.
 # Checkpoints and run configs written before still name them; being runtime fields, any value
 # loads as the same function, so they are dropped (git history holds the code they chose).
 RETIRED_FIELDS = {"routing_kernel": "xla", "routing_logits": "read", "peel_block_starts": False,
                   "hoist_block_writes": True}
+# Fields renamed since, old name -> new: configs and checkpoints with the old name load as the new.
+RENAMED_FIELDS = {"buffer_segments": "layer_loops"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +75,10 @@ class ModelConfig:
     unroll_layers: bool = False
     # The lean driver runs the layers as this many consecutive loops, each over only the buffer
     # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
-    # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
-    buffer_segments: int = 1
-    # delta with the lean driver: keep only each layer loop's input state (buffer_segments
-    # loops) and rebuild each layer's input state from the buffer in the backward pass, as the
+    # site, one more loop body to compile per loop. 1 = one loop over the whole buffer.
+    layer_loops: int = 1
+    # delta with the lean driver: keep only each layer loop's input state (layer_loops loops)
+    # and rebuild each layer's input state from the buffer in the backward pass, as the
     # running sum of the sources written before it (delta_jax/model/decoder.py
     # DeltaStateRebuild). HBM for time, v5p (BENCHMARKS.md): 220M 12.25 -> 11.31 GiB a chip
     # (live at the peak 9.86 -> 9.33) for an estimated step 1.9% slower; 1044M 21.49 -> 18.86
@@ -103,7 +105,7 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is invalid: expected a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
-        for field in ("num_blocks", "buffer_segments"):
+        for field in ("num_blocks", "layer_loops"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(field, "an integer >= 1")
@@ -217,12 +219,17 @@ PRESETS = {
 }
 
 
-def without_retired_fields(fields: dict[str, Any], where: str) -> dict[str, Any]:
-    """ModelConfig `fields` as a checkpoint or run config at `where` wrote them, less the retired
-    runtime fields (RETIRED_FIELDS). One set to another way of running than the model's one
-    way is reported: the run goes on computing the same function the one way."""
+def current_fields(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig `fields` as a checkpoint or run config at `where` wrote them, in today's
+    names (RENAMED_FIELDS) and less the retired runtime fields (RETIRED_FIELDS). A retired one
+    set to another way of running than the model's one way is reported: the run goes on
+    computing the same function the one way."""
     for name, now in RETIRED_FIELDS.items():
         if name in fields and fields[name] != now:
             logger.warning("%s: model.%s=%r is retired; the model runs as %s=%r (the same "
                            "function)", where, name, fields[name], name, now)
-    return {k: v for k, v in fields.items() if k not in RETIRED_FIELDS}
+    for old, new in RENAMED_FIELDS.items():
+        if old in fields and new in fields:
+            raise ValueError(f"{where}: model.{old} and model.{new} both set; {old} is the "
+                             f"old name of {new}: keep {new} alone")
+    return {RENAMED_FIELDS.get(k, k): v for k, v in fields.items() if k not in RETIRED_FIELDS}

@@ -31,11 +31,13 @@ def _save_with_config(model, directory, fields):
         mgr.wait_until_finished()
 
 
-def test_a_checkpoint_naming_retired_runtime_fields_loads(tmp_path, caplog):
+def test_a_checkpoint_naming_retired_and_renamed_fields_loads(tmp_path, caplog):
     """Runtime fields choose how the same function is computed, so a checkpoint saved with a
-    retired one loads as the same model, the choice reported."""
-    model = init_model(ModelConfig.tiny(residual="delta_block"), 3)
-    _save_with_config(model, tmp_path, {**config_to_json(model.config), **RETIRED})
+    retired one loads as the same model, the choice reported; an old name loads as the new."""
+    model = init_model(ModelConfig.tiny(residual="delta_block", layer_loops=2), 3)
+    fields = config_to_json(model.config)
+    fields["buffer_segments"] = fields.pop("layer_loops")
+    _save_with_config(model, tmp_path, {**fields, **RETIRED})
     with caplog.at_level(logging.WARNING, logger="delta_jax.config"):
         assert load_checkpoint_config(tmp_path) == model.config
         loaded = load_checkpoint(tmp_path)

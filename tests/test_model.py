@@ -226,8 +226,8 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
     cfg = ModelConfig.tiny(residual=residual, num_layers=3, num_blocks=2, **extra)
     want_loss, want = _loss_and_grads(cfg, "unrolled", gate)
     want_flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])
-    runs = [("scan", cfg), ("lean", cfg), *[("lean", cfg.replace(buffer_segments=segments))
-                                            for segments in (2, 3)]]
+    runs = [("scan", cfg), ("lean", cfg), *[("lean", cfg.replace(layer_loops=loops))
+                                            for loops in (2, 3)]]
     for driver, run_cfg in runs:
         loss, grads = _loss_and_grads(run_cfg, driver, gate)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -279,13 +279,13 @@ def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, ca
 
 
 @pytest.mark.parametrize("residual", VARIANTS[1:])
-@pytest.mark.parametrize("segments", [1, 2, 3, 5, 9])
-def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, segments):
+@pytest.mark.parametrize("loops", [1, 2, 3, 5, 9])
+def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, loops):
     cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2)
     plan = schedule(cfg)
     rows = plan.rows()
-    spans = buffer_spans(rows, plan.num_slots, segments)
-    assert len(spans) == min(segments, 5)
+    spans = buffer_spans(rows, plan.num_slots, loops)
+    assert len(spans) == min(loops, 5)
     assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]]
     assert spans[-1][1:] == (5, plan.num_slots)
     for start, end, length in spans:
@@ -326,9 +326,9 @@ def test_layers_known_to_start_no_block_skip_their_write(residual):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(buffer_segments=2),
-    dict(buffer_segments=3, remat="save_dots", unroll_layers=True),
-    dict(buffer_segments=2, block_sources="paper", null_source=True, routing_gate=True),
+    dict(layer_loops=2),
+    dict(layer_loops=3, remat="save_dots", unroll_layers=True),
+    dict(layer_loops=2, block_sources="paper", null_source=True, routing_gate=True),
 ])
 def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypatch):
     """The lean driver commits delta_block's source before a loop that is one block's first
@@ -351,16 +351,16 @@ def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypa
 
     monkeypatch.setattr(HoistedBlockWrite, "source", spy)
     loss, grads = _loss_and_grads(cfg, "lean", gate)
-    assert hoisted_slots == ({0, 1} if cfg.buffer_segments == 2 else {0})
+    assert hoisted_slots == ({0, 1} if cfg.layer_loops == 2 else {0})
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     flat = lambda tree: jnp.concatenate([g.ravel() for g in jax.tree.leaves(tree)])
     assert _relative_error(flat(want), flat(grads)) < 1e-5
 
 
 @pytest.mark.parametrize("extra", [
-    dict(buffer_segments=1),
-    dict(buffer_segments=3),
-    dict(buffer_segments=2, null_source=True, routing_gate=True, remat="save_dots"),
+    dict(layer_loops=1),
+    dict(layer_loops=3),
+    dict(layer_loops=2, null_source=True, routing_gate=True, remat="save_dots"),
 ])
 def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypatch):
     """With rebuild_states the lean driver keeps each loop's input state only and rebuilds its
@@ -382,7 +382,7 @@ def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypat
     loss, grads = _loss_and_grads(cfg.replace(rebuild_states=True), "lean", gate)
     # once in each loop's body (traced once), from the loop's first layer
     assert sorted(rebuilt) == [a for a, _, _ in buffer_spans(
-        schedule(cfg).rows(), schedule(cfg).num_slots, cfg.buffer_segments)]
+        schedule(cfg).rows(), schedule(cfg).num_slots, cfg.layer_loops)]
     assert_float32_equal(loss, want_loss)
     assert_float32_equal(grads, want)
 
@@ -465,7 +465,7 @@ def test_preset_parameter_counts(name, expected, tolerance):
 @pytest.mark.parametrize("changes,message", [
     (dict(num_heads=6, num_kv_heads=4), r"num_heads=6 .*multiple of num_kv_heads=4"),
     (dict(num_blocks=0), r"num_blocks=0 .*integer >= 1"),
-    (dict(buffer_segments=0), r"buffer_segments=0 .*integer >= 1"),
+    (dict(layer_loops=0), r"layer_loops=0 .*integer >= 1"),
     (dict(residual="resnet"), r"residual='resnet' .*baseline, block, full, delta, delta_block"),
     (dict(block_sources="both"), r"block_sources='both' .*reference, paper"),
     (dict(router_init="xavier"), r"router_init='xavier' .*normal, zeros"),

@@ -166,7 +166,7 @@ def test_cost_twin_counts_every_layer(driver):
         run = load_config("configs/220m.yaml", [*TINY, f"model.num_layers={layers}",
                                                  "model.residual=delta",
                                                  f"model.layer_driver={driver}",
-                                                 "model.buffer_segments=1"])
+                                                 "model.layer_loops=1"])
         _, compile_fn = _prepare(cost_twin(run) if twin else run, resolve("cpu:1", 1))
         return compile_fn().cost_analysis()["flops"]
 
@@ -390,7 +390,7 @@ def test_more_layer_loops_do_not_cost_delta_memory_on_v5p():
 
     small = [*SMALL_V5P, "model.num_blocks=2", "model.residual=delta"]
     temp = {loops: compile_named(load_config("configs/220m.yaml",
-                                             [*small, f"model.buffer_segments={loops}"]),
+                                             [*small, f"model.layer_loops={loops}"]),
                                  "v5p:2x2x1", estimate=False).temp_bytes
             for loops in (1, 4)}
     assert temp[4] <= 1.05 * temp[1], temp
@@ -403,7 +403,7 @@ def test_a_delta_run_that_fits_only_with_rebuilt_states_is_told_so_on_v5p(tmp_pa
     # Judged against an HBM between the two, the planner's alternatives name the one that fits.
     from delta_jax.plan.compile import compile_named
 
-    small = [*SMALL_V5P, "model.num_blocks=2", "model.residual=delta", "model.buffer_segments=1"]
+    small = [*SMALL_V5P, "model.num_blocks=2", "model.residual=delta", "model.layer_loops=1"]
     run = load_config("configs/220m.yaml", small)
     kept, rebuilt = (compile_named(r, "v5p:2x2x1", estimate=False).total_bytes
                      for r in (run, knobs.with_rebuilt_states(run)))

@@ -128,7 +128,7 @@ class CausalLM(nnx.Module):
                    if cfg.rebuild_states and cfg.residual == "delta" else None)
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
-            unroll=cfg.unroll_layers, segments=cfg.buffer_segments, hoist=hoist, rebuild=rebuild)
+            unroll=cfg.unroll_layers, loops=cfg.layer_loops, hoist=hoist, rebuild=rebuild)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)

@@ -6,7 +6,7 @@
   rebuilds layer i's input buffer from the final one (every slot is written once, from zero, so
   the input is the final buffer masked to the slots written before layer i) and recomputes the
   layer under jax.vjp. Saves only the per-token state (h, the stream) per layer: O(S) buffer
-  memory, at the cost of one extra forward (the same as full remat). With `segments` > 1 it
+  memory, at the cost of one extra forward (the same as full remat). With `loops` > 1 it
   runs the layers as consecutive loops over growing buffer prefixes (buffer_spans). With
   `hoist` (delta_block) a loop that is one block's first layers gets the block's source
   committed before it, and no layer in it writes at all (hoistable). With `rebuild` (delta) it
@@ -53,9 +53,9 @@ def _advance(step, inputs_l, carry: Carry, row: ScheduleRow):
 
 
 def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, hoist=None, rebuild=None):
+             loops: int = 1, hoist=None, rebuild=None):
     # One loop: its per-layer routing weights are padded to the whole buffer.
-    del segments, hoist, rebuild
+    del loops, hoist, rebuild
     def body(c, xs):
         inputs_l, index = xs
         return _advance(step, inputs_l, c, rows.at(index))
@@ -64,9 +64,9 @@ def run_scan(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
 
 
 def run_unrolled(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = True,
-                 segments: int = 1, hoist=None, rebuild=None):
+                 loops: int = 1, hoist=None, rebuild=None):
     # Always unrolled, always over the whole buffer (the reference path); its rows are static.
-    del unroll, segments, hoist, rebuild
+    del unroll, loops, hoist, rebuild
     outputs = []
     for index in range(rows.num_layers):
         inputs_l = jax.tree.map(lambda x: x[index], inputs)
@@ -84,13 +84,13 @@ def _written_cotangent(d_buffer: SourceBuffer, slot, when) -> tuple:
     return tuple(jnp.where(when, part, 0) for part in parts)
 
 
-def buffer_spans(rows: ScheduleRow, num_slots: int, segments: int) -> list[tuple[int, int, int]]:
-    """Split the layers into `segments` runs of consecutive layers, each with the buffer prefix
+def buffer_spans(rows: ScheduleRow, num_slots: int, loops: int) -> list[tuple[int, int, int]]:
+    """Split the layers into `loops` runs of consecutive layers, each with the buffer prefix
     its layers touch: [(first layer, end layer, prefix length)]. A layer reads and writes only
     the slots written before the next layer, so the run ending at layer b needs
     rows.first_write[b] slots (all S for the last run)."""
     num_layers = rows.num_layers
-    count = max(1, min(segments, num_layers)) if num_slots else 1
+    count = max(1, min(loops, num_layers)) if num_slots else 1
     edges = [round(k * num_layers / count) for k in range(count + 1)]
     return [(a, b, num_slots if b == num_layers else int(rows.first_write[b]))
             for a, b in zip(edges, edges[1:])]
@@ -147,26 +147,26 @@ def _hoisted_write_backward(hoist, row: ScheduleRow, cotangent: Carry,
 
 
 def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False,
-             segments: int = 1, hoist=None, rebuild=None):
+             loops: int = 1, hoist=None, rebuild=None):
     """Forward like run_scan but with the O(S) backward; returns no layer outputs (no routing
     weights, no cache): callers that need them use run_scan. `unroll` writes both loops out
     layer by layer (the same program without while loops, for XLA's cost analysis).
 
-    `segments` > 1 runs the layers as that many consecutive loops, each over only the buffer
-    prefix its layers touch (buffer_spans): a site then reads about (segments + 1) /
-    (2 * segments) of the slots instead of all S, forward and backward, for one copy of the
-    prefix between loops and one loop body to compile per segment.
+    `loops` > 1 runs the layers as that many consecutive loops, each over only the buffer prefix
+    its layers touch (buffer_spans): a site then reads about (loops + 1) / (2 * loops) of the
+    slots instead of all S, forward and backward, for one copy of the prefix between loops and
+    one loop body to compile per loop.
 
-    `hoist` (delta_block, decoder.HoistedBlockWrite): a segment that is
+    `hoist` (delta_block, decoder.HoistedBlockWrite): a loop that is
     one block's first layers (hoistable) gets that block's source committed before its loop,
     so that no layer inside the loop computes a write to mask out (ScheduleRow.write_hoisted);
-    the backward pass adds the write's cotangent to the segment's input after the loop.
+    the backward pass adds the write's cotangent to the loop's input after the loop.
 
     `rebuild` (delta with rebuild_states, decoder.DeltaStateRebuild): the forward pass keeps
-    only each segment's input state, and each step of the backward loop rebuilds its layer's
-    input state from it and the final buffer (a loop over the segment's earlier layers' writes):
-    `segments` states are kept instead of one a layer, for a few more reads of the buffer."""
-    spans = buffer_spans(rows, carry.buffer.num_slots, segments)
+    only each loop's input state, and each step of the backward loop rebuilds its layer's
+    input state from it and the final buffer (a loop over the loop's earlier layers' writes):
+    `loops` states are kept instead of one a layer, for a few more reads of the buffer."""
+    spans = buffer_spans(rows, carry.buffer.num_slots, loops)
     hoisted = {start for start, end, _ in spans
                if hoist is not None and hoistable(rows, start, end)}
 
@@ -209,7 +209,7 @@ def run_lean(step, inputs, carry: Carry, rows: ScheduleRow, unroll: bool = False
             def body(carried: tuple[Carry, SourceBuffer], xs):
                 cotangent, final_buffer = carried
                 (inputs_l, state_in), index = xs
-                if span_input is not None:  # rebuild: the segment's input state, not the layer's
+                if span_input is not None:  # rebuild: the loop's input state, not the layer's
                     state_in = span_input[1]
                 row = row_at(index, within)
                 if within[1] - within[0] == 1:
