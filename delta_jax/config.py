@@ -74,7 +74,7 @@ class ModelConfig:
     # delta_jax/plan/compile.py). Compiles in time linear in the depth.
     unroll_layers: bool = False
     # The lean driver runs the layers as this many consecutive loops, each over only the buffer
-    # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
+    # slots its layers can touch (delta_jax/model/schedule.py: layer_loops): fewer slots read per
     # site, one more loop body to compile per loop. 1 = one loop over the whole buffer.
     layer_loops: int = 1
     # delta with the lean driver: keep only each layer loop's input state (layer_loops loops)

@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
-from delta_jax.model.drivers import buffer_spans, hoistable, with_remat
+from delta_jax.model.drivers import with_remat
 from delta_jax.model.layers import inverse_rms, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
 from delta_jax.model.routing import RoutingSite, weighted_sum
-from delta_jax.model.schedule import schedule
+from delta_jax.model.schedule import layer_loops, schedule
 from numerics import assert_float32_equal
 from reference_forward import reference_forward
 
@@ -280,24 +280,28 @@ def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, ca
 
 @pytest.mark.parametrize("residual", VARIANTS[1:])
 @pytest.mark.parametrize("loops", [1, 2, 3, 5, 9])
-def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, loops):
-    cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2)
+def test_layer_loops_cover_the_layers_and_every_slot_they_touch(residual, loops):
+    cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2, layer_loops=loops)
     plan = schedule(cfg)
-    rows = plan.rows()
-    spans = buffer_spans(rows, plan.num_slots, loops)
+    spans = layer_loops(cfg, plan)
     assert len(spans) == min(loops, 5)
-    assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]]
-    assert spans[-1][1:] == (5, plan.num_slots)
-    for start, end, length in spans:
-        assert length <= plan.num_slots
-        for layer in range(start, end):  # reads and writes stay inside the prefix
-            assert plan.mlp_visible[layer] <= length and plan.attn_visible[layer] <= length
-            assert plan.first_write[layer] <= length
+    assert [loop.start for loop in spans] == [0] + [loop.end for loop in spans[:-1]]
+    assert (spans[-1].end, spans[-1].prefix) == (5, plan.num_slots)
+    for loop in spans:
+        assert loop.prefix <= plan.num_slots
+        for layer in range(loop.start, loop.end):  # reads and writes stay inside the prefix
+            assert plan.mlp_visible[layer] <= loop.prefix
+            assert plan.attn_visible[layer] <= loop.prefix
+            assert plan.first_write[layer] <= loop.prefix
+    # only delta_block hoists, and only a loop that is one block's first layers (blocks of 3)
+    hoisted = [loop.hoisted for loop in spans]
+    assert hoisted == ([(loop.start, loop.end) in [(0, 2), (0, 1), (3, 5), (3, 4)]
+                        for loop in spans] if residual == "delta_block" else [False] * len(spans))
 
 
 @pytest.mark.parametrize("residual", ["block", "delta_block"])
 def test_layers_known_to_start_no_block_skip_their_write(residual):
-    """Over a layer loop inside one block (a layer loop, buffer_spans, that does not begin at a
+    """Over a layer loop inside one block (schedule.layer_loops, one that does not begin at a
     block boundary) the rows know statically that no layer starts a block, and a layer then
     commits nothing instead of computing a write and masking it out: the same state."""
     cfg = tiny(residual=residual, num_layers=6, num_blocks=2)
@@ -338,9 +342,8 @@ def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypa
     from delta_jax.model.decoder import HoistedBlockWrite
 
     cfg = tiny(residual="delta_block", num_layers=6, num_blocks=2, **extra)
-    rows = schedule(cfg).rows()
-    assert [hoistable(rows, a, b) for a, b in [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]] == [
-        True, False, False, True, True]
+    assert [loop.hoisted for loop in layer_loops(cfg, schedule(cfg))] == (
+        [True, True] if cfg.layer_loops == 2 else [True, False, False])
     gate = 0.7 if cfg.routing_gate else None
     want_loss, want = _loss_and_grads(cfg.replace(unroll_layers=False), "unrolled", gate)
     hoisted_slots, original = set(), HoistedBlockWrite.source
@@ -381,8 +384,7 @@ def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypat
     monkeypatch.setattr(DeltaStateRebuild, "state", spy)
     loss, grads = _loss_and_grads(cfg.replace(rebuild_states=True), "lean", gate)
     # once in each loop's body (traced once), from the loop's first layer
-    assert sorted(rebuilt) == [a for a, _, _ in buffer_spans(
-        schedule(cfg).rows(), schedule(cfg).num_slots, cfg.layer_loops)]
+    assert sorted(rebuilt) == [loop.start for loop in layer_loops(cfg, schedule(cfg))]
     assert_float32_equal(loss, want_loss)
     assert_float32_equal(grads, want)
 

@@ -16,7 +16,7 @@ from delta_jax.model.drivers import DRIVERS, with_remat
 from delta_jax.model.layers import LayerCache, RMSNorm, dtype_of, make_param, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState, Write
 from delta_jax.model.routing import Routing, RoutingSite
-from delta_jax.model.schedule import Schedule, schedule
+from delta_jax.model.schedule import Schedule, layer_loops, schedule
 from delta_jax.sharding import constrain
 
 
@@ -128,7 +128,7 @@ class CausalLM(nnx.Module):
                    if cfg.rebuild_states and cfg.residual == "delta" else None)
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
-            unroll=cfg.unroll_layers, loops=cfg.layer_loops, hoist=hoist, rebuild=rebuild)
+            loops=layer_loops(cfg, plan), unroll=cfg.unroll_layers, hoist=hoist, rebuild=rebuild)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)

@@ -181,10 +181,10 @@ def delta_block_source(cfg, buffer: SourceBuffer, h: jax.Array, slot) -> jax.Arr
 @dataclasses.dataclass(frozen=True)
 class HoistedBlockWrite:
     """The write of a delta_block layer that starts a block, made by the lean driver before the
-    layer's loop where that loop is one block's first layers (drivers.hoistable): its source
-    depends only on the layer's input state and the buffer. In two parts for the backward pass:
-    `source` is linear in the state and the buffer, and `write` needs only the source, which
-    the backward pass reads back from its slot."""
+    layer's loop where that loop is one block's first layers (schedule.LayerLoop.hoisted): its
+    source depends only on the layer's input state and the buffer. In two parts for the
+    backward pass: `source` is linear in the state and the buffer, and `write` needs only the
+    source, which the backward pass reads back from its slot."""
     cfg: object
 
     def source(self, carry: Carry, row: ScheduleRow) -> jax.Array:

@@ -64,7 +64,7 @@ class SourceBuffer:
     """The committed sources: values [S,B,T,D] and their inverse RMS [S,B,T] float32.
 
     Every slot is written once, in order, into a buffer that starts as zeros, so an unwritten
-    slot holds zeros (the lean backward pass relies on it, drivers.py).
+    slot holds zeros (the lean backward pass relies on it, lean.py).
     """
     values: jax.Array
     inv_rms: jax.Array
@@ -133,7 +133,7 @@ class ScheduleRow:
                   variant's layer that knows it starts no block then writes nothing at all
                   instead of computing a write and masking it out.
     write_hoisted: static; True where the driver has already committed the block source a
-                  layer starting a block would write (delta_block, drivers.hoistable): the
+                  layer starting a block would write (delta_block, schedule.LayerLoop): the
                   layer writes nothing, and its MLP site reads that source from the buffer.
     """
     first_write: Any
