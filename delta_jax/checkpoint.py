@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from delta_jax.config import ModelConfig
+from delta_jax.config import ModelConfig, current_fields
 from delta_jax.model.causal_lm import CausalLM, abstract_model
 from delta_jax.sharding import placement, state_shardings
 
@@ -34,6 +34,7 @@ def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_json(fields: dict[str, Any], *, source: str) -> ModelConfig:
+    fields = current_fields(fields, source)
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:

@@ -6,8 +6,11 @@ d/H), I intermediate_size, V vocab_size.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 RESIDUALS = ("baseline", "block", "full", "delta", "delta_block")
 BLOCK_SOURCES = ("reference", "paper")
@@ -16,17 +19,20 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
-ROUTING_KERNELS = ("xla", "pallas")
-ROUTING_LOGITS = ("read", "write")
 ATTENTION_KINDS = ("xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
-# unroll_layers, buffer_segments, peel_block_starts, hoist_block_writes, rebuild_states,
-# routing_kernel, routing_logits, attention) only change how the same function is computed;
-# checkpoints may move between them.
+# unroll_layers, layer_loops, rebuild_states, attention) only change how the same function is
+# computed; checkpoints may move between them.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "remat", "layer_driver", "unroll_layers",
-                  "buffer_segments", "peel_block_starts", "hoist_block_writes", "rebuild_states",
-                  "routing_kernel", "routing_logits", "attention")
+                  "layer_loops", "rebuild_states", "attention")
+# Runtime fields that were removed, with the one way the model now computes what they chose.
+# Checkpoints and run configs written before still name them; being runtime fields, any value
+# loads as the same function, so they are dropped (git history holds the code they chose).
+RETIRED_FIELDS = {"routing_kernel": "xla", "routing_logits": "read", "peel_block_starts": False,
+                  "hoist_block_writes": True}
+# Fields renamed since, old name -> new: configs and checkpoints with the old name load as the new.
+RENAMED_FIELDS = {"buffer_segments": "layer_loops"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,34 +74,17 @@ class ModelConfig:
     # delta_jax/plan/compile.py). Compiles in time linear in the depth.
     unroll_layers: bool = False
     # The lean driver runs the layers as this many consecutive loops, each over only the buffer
-    # slots its layers can touch (delta_jax/model/drivers.py: buffer_spans): fewer slots read per
-    # site, one more loop body to compile per segment. 1 = one loop over the whole buffer.
-    buffer_segments: int = 1
-    # The lean backward pass runs each block's first layer outside the loop over the block's
-    # other layers, which then know statically that they write no source (block variants; the
-    # model's drivers.py block_runs). v5p estimate at 1044M, delta_block: 1.1527 -> 1.1320 s a
-    # step for 19.78 -> 20.38 GiB a chip (BENCHMARKS.md), so off unless HBM is to spare.
-    peel_block_starts: bool = False
-    # delta_block with the lean driver: where a layer loop (buffer_segments) begins at a block
-    # boundary and holds no other, the driver commits the block's source before the loop, so no
-    # layer inside it computes a write to mask out (delta_jax/model/drivers.py). v5p estimate
-    # at 1044M: 1.061x -> 1.034x the baseline's step (12.01 -> 12.12 GiB a chip then; 11.83 now).
-    hoist_block_writes: bool = False
-    # delta with the lean driver: keep only each layer loop's input state (buffer_segments
-    # loops) and rebuild each layer's input state from the buffer in the backward pass, as the
+    # slots its layers can touch (delta_jax/model/schedule.py: layer_loops): fewer slots read per
+    # site, one more loop body to compile per loop. 1 = one loop over the whole buffer.
+    layer_loops: int = 1
+    # delta with the lean driver: keep only each layer loop's input state (layer_loops loops)
+    # and rebuild each layer's input state from the buffer in the backward pass, as the
     # running sum of the sources written before it (delta_jax/model/decoder.py
     # DeltaStateRebuild). HBM for time, v5p (BENCHMARKS.md): 220M 12.25 -> 11.31 GiB a chip
     # (live at the peak 9.86 -> 9.33) for an estimated step 1.9% slower; 1044M 21.49 -> 18.86
-    # (15.16 -> 13.87); 8B 36.37 -> 31.99 (24.83 -> 22.64). Off unless HBM is short.
+    # (15.16 -> 13.87); 8B 36.37 -> 31.99 (24.83 -> 22.64). Off unless HBM is short: the
+    # planner offers it to a delta run that does not fit (delta_jax/plan/knobs.py).
     rebuild_states: bool = False
-    # How a routing site reads the buffer: "xla" (einsums), or "pallas": one pass of a Pallas TPU
-    # kernel (delta_jax/kernels/routing.py), interpreted when not lowered for TPU (slow on CPU).
-    routing_kernel: str = "xla"
-    # When a buffer source's routing logits are computed: "read", by each site from the values
-    # it reads (two passes over the [S,B,T,D] buffer per site: logits, then the weighted sum);
-    # "write", once per source for every site when it is written (one [B,T,D] x [D,G] matmul),
-    # so that a site reads the values once. The same function; "xla" kernel only.
-    routing_logits: str = "read"
     # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
     # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
     # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
@@ -116,7 +105,7 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} is invalid: expected a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
-        for field in ("num_blocks", "buffer_segments"):
+        for field in ("num_blocks", "layer_loops"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(field, "an integer >= 1")
@@ -124,22 +113,15 @@ class ModelConfig:
                                ("router_init", ROUTER_INITS), ("dtype", DTYPES),
                                ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
                                ("layer_driver", LAYER_DRIVERS), ("gate_base", GATE_BASES),
-                               ("routing_kernel", ROUTING_KERNELS),
-                               ("routing_logits", ROUTING_LOGITS),
                                ("attention", ATTENTION_KINDS)):
             if getattr(self, field) not in allowed:
                 fail(field, "one of " + ", ".join(allowed))
-        if self.routing_kernel == "pallas" and self.routing_logits == "write":
-            raise ValueError(
-                "ModelConfig.routing_logits='write' is invalid with routing_kernel='pallas': the "
-                "Pallas kernel forms the logits in its own pass over the buffer; use "
-                "routing_logits='read' with it, or routing_kernel='xla'")
         if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(
                 f"ModelConfig.attention='cudnn' is invalid with dtype={self.dtype!r}: cuDNN's "
                 "fused attention takes only bfloat16 or float16; set dtype or use attention='xla'")
         for field in ("tie_word_embeddings", "null_source", "routing_gate", "unroll_layers",
-                      "peel_block_starts", "hoist_block_writes", "rebuild_states"):
+                      "rebuild_states"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         if not self.rms_norm_eps > 0:
@@ -235,3 +217,19 @@ PRESETS = {
     "qwen3-0.6b": "qwen3_0_6b",
     "8b": "paper_8b",
 }
+
+
+def current_fields(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig `fields` as a checkpoint or run config at `where` wrote them, in today's
+    names (RENAMED_FIELDS) and less the retired runtime fields (RETIRED_FIELDS). A retired one
+    set to another way of running than the model's one way is reported: the run goes on
+    computing the same function the one way."""
+    for name, now in RETIRED_FIELDS.items():
+        if name in fields and fields[name] != now:
+            logger.warning("%s: model.%s=%r is retired; the model runs as %s=%r (the same "
+                           "function)", where, name, fields[name], name, now)
+    for old, new in RENAMED_FIELDS.items():
+        if old in fields and new in fields:
+            raise ValueError(f"{where}: model.{old} and model.{new} both set; {old} is the "
+                             f"old name of {new}: keep {new} alone")
+    return {RENAMED_FIELDS.get(k, k): v for k, v in fields.items() if k not in RETIRED_FIELDS}

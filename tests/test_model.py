@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from delta_jax import CausalLM, ModelConfig, count_params, init_model
-from delta_jax.model.drivers import block_runs, buffer_spans, hoistable, with_remat
+from delta_jax.model.drivers import with_remat
 from delta_jax.model.layers import inverse_rms, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState
 from delta_jax.model.routing import RoutingSite, weighted_sum
-from delta_jax.model.schedule import schedule
+from delta_jax.model.schedule import layer_loops, schedule
 from numerics import assert_float32_equal
 from reference_forward import reference_forward
 
@@ -226,8 +226,8 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
     cfg = ModelConfig.tiny(residual=residual, num_layers=3, num_blocks=2, **extra)
     want_loss, want = _loss_and_grads(cfg, "unrolled", gate)
     want_flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(want)])
-    runs = [("scan", cfg), ("lean", cfg), *[("lean", cfg.replace(buffer_segments=segments))
-                                            for segments in (2, 3)]]
+    runs = [("scan", cfg), ("lean", cfg), *[("lean", cfg.replace(layer_loops=loops))
+                                            for loops in (2, 3)]]
     for driver, run_cfg in runs:
         loss, grads = _loss_and_grads(run_cfg, driver, gate)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -279,34 +279,33 @@ def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, ca
 
 
 @pytest.mark.parametrize("residual", VARIANTS[1:])
-@pytest.mark.parametrize("segments", [1, 2, 3, 5, 9])
-def test_buffer_spans_cover_the_layers_and_every_slot_they_touch(residual, segments):
-    cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2)
+@pytest.mark.parametrize("loops", [1, 2, 3, 5, 9])
+def test_layer_loops_cover_the_layers_and_every_slot_they_touch(residual, loops):
+    cfg = ModelConfig.tiny(residual=residual, num_layers=5, num_blocks=2, layer_loops=loops)
     plan = schedule(cfg)
-    rows = plan.rows()
-    spans = buffer_spans(rows, plan.num_slots, segments)
-    assert len(spans) == min(segments, 5)
-    assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]]
-    assert spans[-1][1:] == (5, plan.num_slots)
-    for start, end, length in spans:
-        assert length <= plan.num_slots
-        for layer in range(start, end):  # reads and writes stay inside the prefix
-            assert plan.mlp_visible[layer] <= length and plan.attn_visible[layer] <= length
-            assert plan.first_write[layer] <= length
+    spans = layer_loops(cfg, plan)
+    assert len(spans) == min(loops, 5)
+    assert [loop.start for loop in spans] == [0] + [loop.end for loop in spans[:-1]]
+    assert (spans[-1].end, spans[-1].prefix) == (5, plan.num_slots)
+    for loop in spans:
+        assert loop.prefix <= plan.num_slots
+        for layer in range(loop.start, loop.end):  # reads and writes stay inside the prefix
+            assert plan.mlp_visible[layer] <= loop.prefix
+            assert plan.attn_visible[layer] <= loop.prefix
+            assert plan.first_write[layer] <= loop.prefix
+    # only delta_block hoists, and only a loop that is one block's first layers (blocks of 3)
+    hoisted = [loop.hoisted for loop in spans]
+    assert hoisted == ([(loop.start, loop.end) in [(0, 2), (0, 1), (3, 5), (3, 4)]
+                        for loop in spans] if residual == "delta_block" else [False] * len(spans))
 
 
 @pytest.mark.parametrize("residual", ["block", "delta_block"])
-def test_block_runs_let_layers_inside_a_block_skip_their_write(residual):
-    """With peel_block_starts the lean backward pass runs a block segment as its first layer
-    and the rest of the block: over each run the rows know statically whether the layer
-    writes, and a layer inside a block commits nothing (no masked write computed). It keeps
-    the unrolled gradient."""
+def test_layers_known_to_start_no_block_skip_their_write(residual):
+    """Over a layer loop inside one block (schedule.layer_loops, one that does not begin at a
+    block boundary) the rows know statically that no layer starts a block, and a layer then
+    commits nothing instead of computing a write and masking it out: the same state."""
     cfg = tiny(residual=residual, num_layers=6, num_blocks=2)
     rows = schedule(cfg).rows()
-    assert block_runs(rows, 0, 3) == [(0, 1), (1, 3)]
-    assert block_runs(rows, 1, 3) == [(1, 3)]  # inside one block already
-    assert block_runs(rows, 2, 5) == [(2, 5)]  # the boundary is not first: one traced run
-    assert block_runs(schedule(cfg.replace(residual="delta")).rows(), 0, 3) == [(0, 3)]
     index = jnp.asarray(1)
     assert rows.at(index, within=(1, 3)).starts_block is False
     assert rows.at(index, within=(0, 1)).starts_block is True
@@ -322,50 +321,49 @@ def test_block_runs_let_layers_inside_a_block_skip_their_write(residual):
                                 jnp.float32)
     h = jnp.ones((batch, length, cfg.hidden_size))
     layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[1], stacked))
-    out = layer(Carry(TokenState(h, None), buffer), rows.at(jnp.asarray(1), within=(1, 3)),
+    out = layer(Carry(TokenState(h, None), buffer), rows.at(index, within=(1, 3)),
                 LayerContext(rope))
     assert out.writes == ()
-    traced = layer(Carry(TokenState(h, None), buffer), rows.at(jnp.asarray(1)),
-                   LayerContext(rope))
+    traced = layer(Carry(TokenState(h, None), buffer), rows.at(index), LayerContext(rope))
     assert len(traced.writes) == 1 and traced.writes[0].when is not None
     np.testing.assert_array_equal(out.state.h, traced.state.h)
 
-    want_loss, want = _loss_and_grads(cfg, "unrolled")
-    peeled = cfg.replace(buffer_segments=2, peel_block_starts=True)
-    loss, grads = _loss_and_grads(peeled, "lean")
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    flat = lambda tree: jnp.concatenate([g.ravel() for g in jax.tree.leaves(tree)])
-    assert _relative_error(flat(want), flat(grads)) < 1e-5
-
 
 @pytest.mark.parametrize("extra", [
-    dict(buffer_segments=2),
-    dict(buffer_segments=3, remat="save_dots", unroll_layers=True),
-    dict(buffer_segments=2, block_sources="paper", routing_logits="write", null_source=True,
-         routing_gate=True),
+    dict(layer_loops=2),
+    dict(layer_loops=3, remat="save_dots", unroll_layers=True),
+    dict(layer_loops=2, block_sources="paper", null_source=True, routing_gate=True),
 ])
-def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra):
-    """With hoist_block_writes the lean driver commits delta_block's source before a loop that
-    is one block's first layers, and no layer inside computes a write: the same loss and
-    gradient as the unrolled reference. With 3 loops over 2 blocks of 3 layers only the first
-    loop ([0, 2)) is hoisted; the others keep their masked write."""
+def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypatch):
+    """The lean driver commits delta_block's source before a loop that is one block's first
+    layers, and no layer inside computes a write: the same loss and gradient as the unrolled
+    reference. With 2 loops over 2 blocks of 3 layers both are hoisted; with 3 loops only the
+    first ([0, 2)), the others keep their masked write."""
+    from delta_jax.model.decoder import HoistedBlockWrite
+
     cfg = tiny(residual="delta_block", num_layers=6, num_blocks=2, **extra)
-    rows = schedule(cfg).rows()
-    assert [hoistable(rows, a, b) for a, b in [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]] == [
-        True, False, False, True, True]
+    assert [loop.hoisted for loop in layer_loops(cfg, schedule(cfg))] == (
+        [True, True] if cfg.layer_loops == 2 else [True, False, False])
     gate = 0.7 if cfg.routing_gate else None
     want_loss, want = _loss_and_grads(cfg.replace(unroll_layers=False), "unrolled", gate)
-    loss, grads = _loss_and_grads(cfg.replace(hoist_block_writes=True), "lean", gate)
+    hoisted_slots, original = set(), HoistedBlockWrite.source
+
+    def spy(self, carry, row):
+        hoisted_slots.add(int(row.first_write))
+        return original(self, carry, row)
+
+    monkeypatch.setattr(HoistedBlockWrite, "source", spy)
+    loss, grads = _loss_and_grads(cfg, "lean", gate)
+    assert hoisted_slots == ({0, 1} if cfg.layer_loops == 2 else {0})
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     flat = lambda tree: jnp.concatenate([g.ravel() for g in jax.tree.leaves(tree)])
     assert _relative_error(flat(want), flat(grads)) < 1e-5
 
 
 @pytest.mark.parametrize("extra", [
-    dict(buffer_segments=1),
-    dict(buffer_segments=3),
-    dict(buffer_segments=2, null_source=True, routing_gate=True, routing_logits="write",
-         remat="save_dots"),
+    dict(layer_loops=1),
+    dict(layer_loops=3),
+    dict(layer_loops=2, null_source=True, routing_gate=True, remat="save_dots"),
 ])
 def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypatch):
     """With rebuild_states the lean driver keeps each loop's input state only and rebuilds its
@@ -386,8 +384,7 @@ def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypat
     monkeypatch.setattr(DeltaStateRebuild, "state", spy)
     loss, grads = _loss_and_grads(cfg.replace(rebuild_states=True), "lean", gate)
     # once in each loop's body (traced once), from the loop's first layer
-    assert sorted(rebuilt) == [a for a, _, _ in buffer_spans(
-        schedule(cfg).rows(), schedule(cfg).num_slots, cfg.buffer_segments)]
+    assert sorted(rebuilt) == [loop.start for loop in layer_loops(cfg, schedule(cfg))]
     assert_float32_equal(loss, want_loss)
     assert_float32_equal(grads, want)
 
@@ -470,7 +467,7 @@ def test_preset_parameter_counts(name, expected, tolerance):
 @pytest.mark.parametrize("changes,message", [
     (dict(num_heads=6, num_kv_heads=4), r"num_heads=6 .*multiple of num_kv_heads=4"),
     (dict(num_blocks=0), r"num_blocks=0 .*integer >= 1"),
-    (dict(buffer_segments=0), r"buffer_segments=0 .*integer >= 1"),
+    (dict(layer_loops=0), r"layer_loops=0 .*integer >= 1"),
     (dict(residual="resnet"), r"residual='resnet' .*baseline, block, full, delta, delta_block"),
     (dict(block_sources="both"), r"block_sources='both' .*reference, paper"),
     (dict(router_init="xavier"), r"router_init='xavier' .*normal, zeros"),

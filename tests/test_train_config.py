@@ -112,6 +112,25 @@ def test_cli_prints_the_resolved_config_and_round_trips(tmp_path, capsys):
     assert exit_info.value.code == 2 and err.startswith("error: ") and "train.nope" in err
 
 
+def test_a_run_config_naming_retired_and_renamed_fields_loads(tmp_path, caplog):
+    """An earlier run's config.yaml names every model field, retired runtime ones and old names
+    included: it still loads, as the same run; a retired field set to another way of running
+    is reported."""
+    old = tmp_path / "config.yaml"
+    written = dump_config(load_config(CONFIGS / "220m.yaml"))
+    assert "  layer_loops: 4\n" in written
+    old.write_text(written.replace("  layer_loops: 4\n", "  buffer_segments: 4\n").replace(
+        "model:\n", "model:\n  routing_kernel: xla\n  routing_logits: write\n"
+        "  peel_block_starts: false\n  hoist_block_writes: true\n"))
+    with caplog.at_level("WARNING", logger="delta_jax.config"):
+        assert load_config(old) == load_config(CONFIGS / "220m.yaml")
+    assert "model.routing_logits='write' is retired" in caplog.text
+    for name in ("routing_kernel", "peel_block_starts", "hoist_block_writes"):
+        assert name not in caplog.text
+    with pytest.raises(ValueError, match="model.buffer_segments and model.layer_loops both set"):
+        load_config(CONFIGS / "220m.yaml", ["model.buffer_segments=2"])
+
+
 @pytest.mark.parametrize("device_kind, tflops", [
     ("TPU v5 lite", 197), ("TPU v5", 459), ("TPU v6 lite", 918), ("TPU v4", 275),
     ("NVIDIA H100 80GB HBM3", 989), ("cpu", None)])

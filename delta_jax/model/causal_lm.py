@@ -16,7 +16,7 @@ from delta_jax.model.drivers import DRIVERS, with_remat
 from delta_jax.model.layers import LayerCache, RMSNorm, dtype_of, make_param, rope_tables
 from delta_jax.model.protocol import Carry, LayerContext, SourceBuffer, TokenState, Write
 from delta_jax.model.routing import Routing, RoutingSite
-from delta_jax.model.schedule import Schedule, schedule
+from delta_jax.model.schedule import Schedule, layer_loops, schedule
 from delta_jax.sharding import constrain
 
 
@@ -71,17 +71,6 @@ class CausalLM(nnx.Module):
         head = self.head()
         return constrain(hidden.astype(head.dtype) @ head, ("batch", "seq", "vocab"))
 
-    def site_queries(self) -> jax.Array:
-        """[G,D] float32: every routing site's w*g in call order (layer l's attention site at
-        2l, its MLP site at 2l+1, the final site last), for logits computed at write time."""
-        layers = self.layers
-        per_layer = jnp.stack([layers.attn_site.query_direction(),
-                               layers.mlp_site.query_direction()], axis=1)  # [L,2,D]
-        queries = per_layer.reshape(-1, per_layer.shape[-1])
-        if self.final_site is not None:
-            queries = jnp.concatenate([queries, self.final_site.query_direction()[None]])
-        return queries
-
     def init_cache(self, batch: int, capacity: int, start: jax.Array | None = None) -> LayerCache:
         """An empty decoding cache: k, v [L,B,capacity,K,hd]; start [B] marks left padding."""
         cfg = self.config
@@ -117,13 +106,9 @@ class CausalLM(nnx.Module):
         embeddings = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(dtype)
 
         plan = self.schedule
-        writes_logits = cfg.routing_logits == "write" and plan.num_slots > 0
-        site_queries = self.site_queries() if writes_logits else None
-        buffer = SourceBuffer.zeros(plan.num_slots, batch, length, cfg.hidden_size, dtype,
-                                    site_queries=site_queries)
+        buffer = SourceBuffer.zeros(plan.num_slots, batch, length, cfg.hidden_size, dtype)
         if plan.embedding_in_slot0:
-            buffer = buffer.commit((Write.of(embeddings, 0, cfg.rms_norm_eps,
-                                             site_queries=site_queries),))
+            buffer = buffer.commit((Write.of(embeddings, 0, cfg.rms_norm_eps),))
         carry = Carry(TokenState(embeddings, embeddings if cfg.carries_stream else None), buffer)
 
         driver = driver or cfg.layer_driver
@@ -138,14 +123,12 @@ class CausalLM(nnx.Module):
             context = LayerContext(rope, layer_cache, segment_ids)
             return nnx.merge(graphdef, params_l)(c, row, context)
 
-        hoist = (HoistedBlockWrite(cfg)
-                 if cfg.hoist_block_writes and cfg.residual == "delta_block" else None)
+        hoist = HoistedBlockWrite(cfg) if cfg.residual == "delta_block" else None
         rebuild = (DeltaStateRebuild()
                    if cfg.rebuild_states and cfg.residual == "delta" else None)
         carry, (site_weights, layer_caches) = DRIVERS[driver](
             with_remat(step, cfg.remat), layer_inputs, carry, plan.rows(),
-            unroll=cfg.unroll_layers, segments=cfg.buffer_segments, peel=cfg.peel_block_starts,
-            hoist=hoist, rebuild=rebuild)
+            loops=layer_loops(cfg, plan), unroll=cfg.unroll_layers, hoist=hoist, rebuild=rebuild)
         if cache is not None:
             cache = cache.replace(k=layer_caches.k, v=layer_caches.v,
                                   length=cache.length + length)
@@ -153,7 +136,7 @@ class CausalLM(nnx.Module):
         out, final_weights = carry.state.h, None
         if self.final_site is not None:
             mix, final_weights = self.final_site(carry.buffer, plan.final_visible,
-                                                 site=2 * cfg.num_layers, live=carry.state.h)
+                                                 live=carry.state.h)
             out = self.final_site.gated(carry.state.stream, mix)
         hidden = self.norm(out)
         routing = None

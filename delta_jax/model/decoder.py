@@ -64,29 +64,27 @@ class DecoderLayer(nnx.Module):
 
 
 def additive_input(site: RoutingSite, buffer: SourceBuffer, visible, h: jax.Array,
-                   index, fresh: Write | None = None) -> tuple[jax.Array, jax.Array]:
+                   fresh: Write | None = None) -> tuple[jax.Array, jax.Array]:
     """Delta modes' sublayer input h + mix (gated against h); h itself with no source.
-    `index` is the site's place in the call order. -> (input [B,T,D], weights [N_pad,B,T])."""
-    mix, weights = site(buffer, visible, site=index, fresh=fresh)
+    -> (input [B,T,D], weights [N_pad,B,T])."""
+    mix, weights = site(buffer, visible, fresh=fresh)
     return checkpoint_name(site.gated(h, h + mix), "routed_input"), weights
 
 
 def replacement_input(site: RoutingSite, buffer: SourceBuffer, visible, live: jax.Array,
-                      stream: jax.Array | None, index, fresh: Write | None = None
+                      stream: jax.Array | None, fresh: Write | None = None
                       ) -> tuple[jax.Array, jax.Array]:
     """AttnRes modes' sublayer input: the mix over the committed sources and the live state,
     gated against the live state (the reference) or the residual stream (gate_base="stream").
     -> (input [B,T,D], weights [N_pad,B,T])."""
-    mix, weights = site(buffer, visible, site=index, fresh=fresh, live=live)
+    mix, weights = site(buffer, visible, fresh=fresh, live=live)
     return checkpoint_name(site.gated(live if stream is None else stream, mix),
                            "routed_input"), weights
 
 
 def _writer(cfg, buffer: SourceBuffer) -> Callable[..., Write]:
-    """Write.of for a layer's sources: the config's eps, the buffer's dtype, and the logits at
-    every site when the buffer holds them (routing_logits="write")."""
-    return functools.partial(Write.of, eps=cfg.rms_norm_eps, dtype=buffer.values.dtype,
-                             site_queries=buffer.site_queries)
+    """Write.of for a layer's sources: the config's eps and the buffer's dtype."""
+    return functools.partial(Write.of, eps=cfg.rms_norm_eps, dtype=buffer.values.dtype)
 
 
 def baseline_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
@@ -112,8 +110,7 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     full = layer.cfg.residual == "full"
     write = _writer(layer.cfg, carry.buffer)
     h, stream, slot = carry.state.h, carry.state.stream, row.first_write
-    x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream,
-                                  2 * row.layer)
+    x, w_attn = replacement_input(layer.attn_site, carry.buffer, row.attn_visible, h, stream)
     committed = write(h, slot) if full else _block_write(write, h, slot, row)
     a, cache = layer.attention(x, ctx)
     if full:
@@ -124,7 +121,7 @@ def replacement_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
         live = a if row.starts_block else h + a
     stream = None if stream is None else stream + a
     x, w_mlp = replacement_input(layer.mlp_site, carry.buffer, slot, live, stream,
-                                 2 * row.layer + 1, fresh=committed)
+                                 fresh=committed)
     m = layer.feed_forward(x)
     state = TokenState(m if full else live + m, None if stream is None else stream + m)
     writes = (committed, write(a, slot + 1)) if full else _written(committed)
@@ -137,12 +134,11 @@ def delta_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     sublayer reads h + the routed mix; the embedding is source 0, written before the loop."""
     write = _writer(layer.cfg, carry.buffer)
     h, slot = carry.state.h, row.first_write
-    x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h, 2 * row.layer)
+    x, w_attn = additive_input(layer.attn_site, carry.buffer, row.attn_visible, h)
     a, cache = layer.attention(x, ctx)
     first = write(a, slot)
     h = h + a
-    x, w_mlp = additive_input(layer.mlp_site, carry.buffer, slot, h, 2 * row.layer + 1,
-                              fresh=first)
+    x, w_mlp = additive_input(layer.mlp_site, carry.buffer, slot, h, fresh=first)
     m = layer.feed_forward(x)
     second = write(m, slot + 1)
     return LayerOutput(TokenState(h + m), (first, second), (w_attn, w_mlp), cache)
@@ -154,7 +150,7 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
     the previous source is committed (block_sources "reference": h - S[-1]; "paper":
     h - sum(S)); the attention site routes before that write, the MLP site after it."""
     h, slot, buffer = carry.state.h, row.first_write, carry.buffer
-    x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h, 2 * row.layer)
+    x, w_attn = additive_input(layer.attn_site, buffer, row.attn_visible, h)
     a, cache = layer.attention(x, ctx)
     committed, mlp_visible = None, slot
     if row.write_hoisted:  # the block's source is in the buffer already
@@ -163,8 +159,7 @@ def delta_block_layer(layer: DecoderLayer, carry: Carry, row: ScheduleRow,
         committed = _block_write(_writer(layer.cfg, buffer),
                                  delta_block_source(layer.cfg, buffer, h, slot), slot, row)
     h = h + a
-    x, w_mlp = additive_input(layer.mlp_site, buffer, mlp_visible, h, 2 * row.layer + 1,
-                              fresh=committed)
+    x, w_mlp = additive_input(layer.mlp_site, buffer, mlp_visible, h, fresh=committed)
     return LayerOutput(TokenState(h + layer.feed_forward(x)), _written(committed),
                        (w_attn, w_mlp), cache)
 
@@ -186,9 +181,10 @@ def delta_block_source(cfg, buffer: SourceBuffer, h: jax.Array, slot) -> jax.Arr
 @dataclasses.dataclass(frozen=True)
 class HoistedBlockWrite:
     """The write of a delta_block layer that starts a block, made by the lean driver before the
-    layer runs (hoist_block_writes): its source depends only on the layer's input state and the
-    buffer. In two parts for the backward pass: `source` is linear in the state and the buffer,
-    and `write` needs only the source, which the backward pass reads back from its slot."""
+    layer's loop where that loop is one block's first layers (schedule.LayerLoop.hoisted): its
+    source depends only on the layer's input state and the buffer. In two parts for the
+    backward pass: `source` is linear in the state and the buffer, and `write` needs only the
+    source, which the backward pass reads back from its slot."""
     cfg: object
 
     def source(self, carry: Carry, row: ScheduleRow) -> jax.Array:

@@ -46,27 +46,17 @@ class Write:
 
     value [B,T,D], inv_rms [B,T] float32 (its rsqrt(mean(value^2) + eps), computed once);
     slot: the buffer slot (an int, static or traced); when: a traced bool for writes that only
-    happen at block boundaries, None for writes that always happen; logits [G,B,T] float32 or
-    None: the source's routing logit at each of the G sites (routing_logits="write", below).
+    happen at block boundaries, None for writes that always happen.
     """
     value: jax.Array
     inv_rms: jax.Array
     slot: Any
     when: Any = None
-    logits: jax.Array | None = None
 
     @classmethod
-    def of(cls, value: jax.Array, slot, eps: float, *, when=None, dtype=None,
-           site_queries: jax.Array | None = None) -> Write:
-        """With `site_queries` [G,D] (each site's w*g) the logits at every site come along:
-        inv_rms * (wg . value), the same products a site reading the buffer would form."""
+    def of(cls, value: jax.Array, slot, eps: float, *, when=None, dtype=None) -> Write:
         value = value.astype(dtype or value.dtype)
-        inv_rms = inverse_rms(value, eps)
-        logits = None
-        if site_queries is not None:
-            logits = inv_rms * jnp.einsum("btd,gd->gbt", value, site_queries.astype(value.dtype),
-                                          preferred_element_type=jnp.float32)
-        return cls(value, inv_rms, slot, when, logits)
+        return cls(value, inverse_rms(value, eps), slot, when)
 
 
 @struct.dataclass
@@ -74,30 +64,16 @@ class SourceBuffer:
     """The committed sources: values [S,B,T,D] and their inverse RMS [S,B,T] float32.
 
     Every slot is written once, in order, into a buffer that starts as zeros, so an unwritten
-    slot holds zeros (the lean backward pass relies on it, drivers.py).
-
-    With routing_logits="write" the buffer also holds every site's w*g, `site_queries` [G,D]
-    float32 (G sites in call order: layer l's attention site is 2l, its MLP site 2l+1, the final
-    site 2L), and each committed source's logit at every site, `site_logits` [S,G,B,T] float32
-    (slot-major like the values, so a prefix of slots is a leading slice): a site then reads its
-    [S,B,T] column instead of the [S,B,T,D] values to form its logits.
+    slot holds zeros (the lean backward pass relies on it, lean.py).
     """
     values: jax.Array
     inv_rms: jax.Array
-    site_queries: jax.Array | None = None
-    site_logits: jax.Array | None = None
 
     @classmethod
-    def zeros(cls, num_slots: int, batch: int, length: int, hidden: int, dtype,
-              site_queries: jax.Array | None = None) -> SourceBuffer:
+    def zeros(cls, num_slots: int, batch: int, length: int, hidden: int, dtype) -> SourceBuffer:
         values = jnp.zeros((num_slots, batch, length, hidden), dtype)
-        site_logits = None
-        if site_queries is not None:
-            site_logits = constrain(
-                jnp.zeros((num_slots, site_queries.shape[0], batch, length), jnp.float32),
-                ("sources", None, "batch", "seq"))
         return cls(constrain(values, ("sources", "batch", "seq", "act_embed")),
-                   jnp.zeros((num_slots, batch, length), jnp.float32), site_queries, site_logits)
+                   jnp.zeros((num_slots, batch, length), jnp.float32))
 
     @property
     def num_slots(self) -> int:
@@ -107,50 +83,33 @@ class SourceBuffer:
         """Slots [0, length) (static), for layers that read and write no later slot."""
         if length == self.num_slots:
             return self
-        return SourceBuffer(self.values[:length], self.inv_rms[:length], self.site_queries,
-                            None if self.site_logits is None else self.site_logits[:length])
+        return SourceBuffer(self.values[:length], self.inv_rms[:length])
 
     def with_prefix(self, prefix: SourceBuffer) -> SourceBuffer:
-        """This buffer with its first slots (and the site queries) replaced by `prefix`'s."""
+        """This buffer with its first slots replaced by `prefix`'s."""
         if prefix.num_slots == self.num_slots:
             return prefix
-        site_logits = (None if self.site_logits is None else
-                       jax.lax.dynamic_update_slice_in_dim(self.site_logits, prefix.site_logits,
-                                                           0, axis=0))
         return SourceBuffer(jax.lax.dynamic_update_slice_in_dim(self.values, prefix.values, 0, 0),
                             jax.lax.dynamic_update_slice_in_dim(self.inv_rms, prefix.inv_rms, 0,
-                                                                0),
-                            prefix.site_queries, site_logits)
+                                                                0))
 
-    def slot(self, index) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T], logits [G,B,T] or
-        None)."""
-        logits = (None if self.site_logits is None else
-                  jax.lax.dynamic_index_in_dim(self.site_logits, index, axis=0, keepdims=False))
+    def slot(self, index) -> tuple[jax.Array, jax.Array]:
+        """Slot `index` (static or traced): (value [B,T,D], inv_rms [B,T])."""
         return (jax.lax.dynamic_index_in_dim(self.values, index, keepdims=False),
-                jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False), logits)
+                jax.lax.dynamic_index_in_dim(self.inv_rms, index, keepdims=False))
 
     def commit(self, writes: Sequence[Write]) -> SourceBuffer:
         """The buffer with `writes` applied in order (in place inside a scan)."""
-        values, inv_rms, site_logits = self.values, self.inv_rms, self.site_logits
+        values, inv_rms = self.values, self.inv_rms
         for write in writes:
-            value, rinv, logits = write.value.astype(values.dtype), write.inv_rms, write.logits
-            if (site_logits is None) != (logits is None):
-                raise ValueError("SourceBuffer.commit: a write's logits must come exactly when "
-                                 "the buffer holds site logits (Write.of(site_queries=...))")
+            value, rinv = write.value.astype(values.dtype), write.inv_rms
             if write.when is not None:  # a write that does not happen keeps the slot's zeros
-                old_value, old_rinv, old_logits = SourceBuffer(
-                    values, inv_rms, self.site_queries, site_logits).slot(write.slot)
+                old_value, old_rinv = SourceBuffer(values, inv_rms).slot(write.slot)
                 value = jnp.where(write.when, value, old_value)
                 rinv = jnp.where(write.when, rinv, old_rinv)
-                if logits is not None:
-                    logits = jnp.where(write.when, logits, old_logits)
             values = jax.lax.dynamic_update_index_in_dim(values, value, write.slot, 0)
             inv_rms = jax.lax.dynamic_update_index_in_dim(inv_rms, rinv, write.slot, 0)
-            if logits is not None:
-                site_logits = jax.lax.dynamic_update_index_in_dim(site_logits, logits,
-                                                                  write.slot, 0)
-        return SourceBuffer(values, inv_rms, self.site_queries, site_logits)
+        return SourceBuffer(values, inv_rms)
 
 
 @struct.dataclass
@@ -165,7 +124,6 @@ class ScheduleRow:
     """A layer's entries of the static schedule (schedule.py): [L] numpy columns for the whole
     stack, or one layer's scalars (traced inside a scan).
 
-    layer:        the layer's index (its sites are 2*layer and 2*layer + 1);
     first_write:  the first slot the layer writes (slots from it on are zero on entry);
     attn_visible: buffer slots its attention site sees (its MLP site sees first_write);
     boundary:     whether the layer starts a block;
@@ -175,10 +133,9 @@ class ScheduleRow:
                   variant's layer that knows it starts no block then writes nothing at all
                   instead of computing a write and masking it out.
     write_hoisted: static; True where the driver has already committed the block source a
-                  layer starting a block would write (delta_block, hoist_block_writes): the
+                  layer starting a block would write (delta_block, schedule.LayerLoop): the
                   layer writes nothing, and its MLP site reads that source from the buffer.
     """
-    layer: Any
     first_write: Any
     attn_visible: Any
     boundary: Any
@@ -187,7 +144,7 @@ class ScheduleRow:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer)
+        return len(self.first_write)
 
     def at(self, index, *, within: tuple[int, int] | None = None) -> ScheduleRow:
         """Layer `index`'s row: static (numpy scalars) for an int, traced for a traced index.

@@ -7,14 +7,6 @@ source, so a site's logits are r_n * ((w*g) . s_n): the normalised sources are n
 materialised. A site can also see a per-site learned null source [D] (prepended, delta modes)
 and a `live` source [B,T,D] that is not in the buffer (the current partial sum of the
 replacement modes, appended). Padded weight layout of a site: [null?] + S slots + [live?].
-
-`routing_logits="write"` moves the logits of the buffer's sources to the moment each is written
-(protocol.py: the buffer then also holds every source's logit at every site): a site reads
-its own [S,B,T] column of those and the values once, for the weighted sum, instead of twice.
-
-`routing_kernel="pallas"` reads the buffer in one pass of a Pallas kernel (kernels/routing.py),
-which returns the slots' logits and their own softmax mix; the site then treats that mix as one
-source weighted by the buffer slots' total weight. The same function, another summation order.
 """
 from __future__ import annotations
 
@@ -23,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from delta_jax.kernels.routing import route_buffer
 from delta_jax.model.layers import inverse_rms, make_param
 from delta_jax.model.protocol import SourceBuffer, Write
 
@@ -35,7 +26,6 @@ class RoutingSite(nnx.Module):
         d = cfg.hidden_size
         pd = jnp.dtype(cfg.param_dtype)
         self.eps = cfg.rms_norm_eps
-        self.kernel = cfg.routing_kernel
         self.query = make_param(rngs, (d,), ("routing",), init=cfg.router_init,
                                 std=cfg.init_std, dtype=pd, stack=stack)
         self.norm = make_param(None, (d,), ("routing",), init="ones", std=0.0, dtype=pd,
@@ -47,36 +37,24 @@ class RoutingSite(nnx.Module):
         self.gate = (make_param(None, (), (), init="zeros", std=0.0, dtype=pd, stack=stack)
                      if cfg.routing_gate and gated else None)
 
-    def __call__(self, sources: SourceBuffer, num_valid, *, site=None, fresh: Write | None = None,
+    def __call__(self, sources: SourceBuffer, num_valid, *, fresh: Write | None = None,
                  live: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Route over buffer slots [0, num_valid), a source `fresh`ly written by this layer
         (slot num_valid, not yet in the read-only buffer), and the null and live sources.
 
-        num_valid int (static or traced); site: this site's index in the call order (static or
-        traced), which picks its row of precomputed logits when the buffer holds them;
-        live [B,T,D] or None -> mix [B,T,D] in the buffer's dtype, weights [N_pad,B,T] float32
-        in the padded layout (zero on unused slots; all zero, and mix zero, with no source).
-        Slots at or past num_valid may hold later sources (the lean backward pass reads the
-        final buffer): they are masked out of the softmax and get no gradient.
+        num_valid int (static or traced); live [B,T,D] or None -> mix [B,T,D] in the buffer's
+        dtype, weights [N_pad,B,T] float32 in the padded layout (zero on unused slots; all
+        zero, and mix zero, with no source). Slots at or past num_valid may hold later sources
+        (the lean backward pass reads the final buffer): they are masked out of the softmax and
+        get no gradient.
         """
         buffer, inv_rms = sources.values, sources.inv_rms
         num_slots, batch_shape = buffer.shape[0], buffer.shape[1:3]
         if num_slots == 1 and fresh is None and live is None and self.null is None:
             return self._one_slot(buffer, num_valid)
         wg = self.query_direction()
-        precomputed, buffer_mix = sources.site_logits is not None, None
-        if precomputed:
-            if site is None:
-                raise ValueError("RoutingSite: the buffer holds precomputed logits, so the "
-                                 "site must say which column is its own (site=...)")
-            logits = [jax.lax.dynamic_index_in_dim(sources.site_logits, site, axis=1,
-                                                   keepdims=False)]
-        elif self.kernel == "pallas":  # the kernel's mix is over the slots alone, see below
-            buffer_logits, buffer_mix = route_buffer(buffer, inv_rms, wg, num_valid)
-            logits = [buffer_logits]
-        else:
-            logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
-                                           preferred_element_type=jnp.float32)]
+        logits = [inv_rms * jnp.einsum("sbtd,d->sbt", buffer, wg.astype(buffer.dtype),
+                                       preferred_element_type=jnp.float32)]
         valid = [jnp.arange(num_slots) < num_valid]
         if self.null is not None:
             null = self.null[...].astype(jnp.float32)
@@ -85,10 +63,9 @@ class RoutingSite(nnx.Module):
             valid.insert(0, jnp.ones((1,), bool))
         # The sources outside the buffer, in padded order: (value [B,T,D], logit [B,T], present)
         outside = []
-        if fresh is not None:  # with precomputed logits, its own came with the write
-            logit = (jax.lax.dynamic_index_in_dim(fresh.logits, site, keepdims=False)
-                     if precomputed else self._logit(fresh.value, fresh.inv_rms, wg))
-            outside.append((fresh.value, logit, True if fresh.when is None else fresh.when))
+        if fresh is not None:
+            outside.append((fresh.value, self._logit(fresh.value, fresh.inv_rms, wg),
+                            True if fresh.when is None else fresh.when))
         if live is not None:
             outside.append((live, self._logit(live, inverse_rms(live, self.eps), wg), True))
         for _, logit, present in outside:
@@ -101,17 +78,12 @@ class RoutingSite(nnx.Module):
         slot_weights, outside_weights = weights[:num_slots], weights[num_slots:]
         outside_terms = tuple((weight, value) for (value, _, _), weight
                               in zip(outside, outside_weights))
-        if buffer_mix is None and null_weight is None:  # with a backward pass of its own
+        if null_weight is None:  # with a backward pass of its own
             mix = weighted_sum(slot_weights.astype(buffer.dtype), buffer, outside_terms)
         else:
-            if buffer_mix is not None:  # sum_n alpha_n s_n = (sum_n alpha_n) * the slots' mix
-                mix = jnp.sum(slot_weights, axis=0)[..., None] * buffer_mix
-            else:
-                mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
-                                 preferred_element_type=jnp.float32)
-            if null_weight is not None:
-                mix = mix + null_weight[..., None] * null
-            mix = _add_weighted(mix, outside_terms)
+            mix = jnp.einsum("sbt,sbtd->btd", slot_weights.astype(buffer.dtype), buffer,
+                             preferred_element_type=jnp.float32)
+            mix = _add_weighted(mix + null_weight[..., None] * null, outside_terms)
         if fresh is not None:  # report the fresh source at the slot it is being written to
             slot_weights = (slot_weights
                             + jax.nn.one_hot(num_valid, num_slots)[:, None, None]

@@ -1,4 +1,5 @@
-"""Static source-buffer geometry of each residual variant (docs/spec.md sections 3 and 7).
+"""Static source-buffer geometry of each residual variant (docs/spec.md sections 3 and 7), and
+the lean driver's layer loops over it.
 
 Everything here is plain numpy computed from the config, so the scanned layer body can look up
 its own row by layer index and the lean backward pass knows which slots each layer wrote.
@@ -37,8 +38,7 @@ class Schedule:
 
     def rows(self) -> ScheduleRow:
         """The per-layer columns the layers read, [L] each."""
-        return ScheduleRow(layer=np.arange(len(self.first_write), dtype=np.int32),
-                           first_write=self.first_write, attn_visible=self.attn_visible,
+        return ScheduleRow(first_write=self.first_write, attn_visible=self.attn_visible,
                            boundary=self.boundary)
 
 
@@ -75,3 +75,33 @@ def schedule(cfg: ModelConfig) -> Schedule:
                         final_visible=total if block else 0, has_live=block,
                         boundary=boundary, embedding_in_slot0=False)
     raise ValueError(f"unknown residual variant {cfg.residual!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+    """One of the lean driver's loops (lean.py): layers [start, end), which read and write only
+    the buffer's first `prefix` slots. `hoisted`: the loop is one block's first layers (a block
+    starts at `start` and no other before `end`; delta_block), so the driver commits that
+    block's source before the loop and no layer inside it writes (ScheduleRow.write_hoisted)."""
+    start: int
+    end: int
+    prefix: int
+    hoisted: bool = False
+
+
+def layer_loops(cfg: ModelConfig, plan: Schedule) -> tuple[LayerLoop, ...]:
+    """cfg.layer_loops runs of consecutive layers (one without a buffer), each with the buffer
+    prefix its layers touch. A layer reads and writes only the slots written before the next
+    layer, so the loop ending at layer b needs first_write[b] slots (all S for the last): a
+    site then reads about (n + 1) / (2n) of the slots with n loops, for one copy of the prefix
+    between loops and one loop body to compile per loop."""
+    num_layers, num_slots = cfg.num_layers, plan.num_slots
+    count = max(1, min(cfg.layer_loops, num_layers)) if num_slots else 1
+    edges = [round(k * num_layers / count) for k in range(count + 1)]
+    loops = []
+    for start, end in zip(edges, edges[1:]):
+        prefix = num_slots if end == num_layers else int(plan.first_write[end])
+        one_block = bool(plan.boundary[start]) and not plan.boundary[start + 1:end].any()
+        loops.append(LayerLoop(start, end, prefix,
+                               hoisted=cfg.residual == "delta_block" and one_block))
+    return tuple(loops)

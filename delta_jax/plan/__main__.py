@@ -15,10 +15,10 @@ peak against what the TPU compiler lets a program hold (its own limit, read from
 of 16 GiB) or the GPU's memory, fits or not (by the total, or with --fit-by live by the live
 peak, all the TPU compiler checks); XLA's FLOPs, bytes accessed and the step time they give
 (an estimate, not a measurement) with the tokens/s and MFU that follow. A run that does not fit
-is compiled again with each knob turned
-one notch (remat, grad_accum, all-fsdp) to show which helps and by how much. Each compile runs
-in a child process (plan/isolated.py): a compiler crash is reported for its variant and the
-others go on.
+is compiled again with each knob turned one notch (remat, grad_accum, all-fsdp, the loss's
+vocabulary chunks, delta's rebuilt states) to show which helps and by how much. Each compile
+runs in a child process (plan/isolated.py): a compiler crash is reported for its variant and
+the others go on.
 
 Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input,
 3 the compiler crashed on some variant (and the rest fit).

@@ -3,8 +3,10 @@
 Alternatives to a run that does not fit, each one change away from it: a stronger remat policy
 (the layer saves less and recomputes more), more gradient accumulation (smaller microbatches;
 the rows of one must still split over data x fsdp), every device on fsdp (parameters and
-optimizer state sharded over all of them, when some sat on data or tensor), and a loss that
-forms the logits a vocabulary chunk at a time (when it forms them whole).
+optimizer state sharded over all of them, when some sat on data or tensor), a loss that forms
+the logits a vocabulary chunk at a time (when it forms them whole), and, for delta under the
+lean driver, one residual-stream state kept a layer loop instead of one a layer
+(model.rebuild_states: the backward pass rebuilds the others from the source buffer).
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ def with_grad_accum(run: RunConfig, grad_accum: int) -> RunConfig:
 def with_loss_vocab_chunks(run: RunConfig, chunks: int) -> RunConfig:
     return dataclasses.replace(run, train=dataclasses.replace(run.train,
                                                               loss_vocab_chunks=chunks))
+
+
+def with_rebuilt_states(run: RunConfig) -> RunConfig:
+    return dataclasses.replace(run, model=run.model.replace(rebuild_states=True))
 
 
 def with_mesh(run: RunConfig, data: int, fsdp: int, tensor: int) -> RunConfig:
@@ -59,6 +65,9 @@ def alternatives(run: RunConfig, mesh: dict[str, int]) -> list[tuple[str, RunCon
     if run.train.loss_vocab_chunks == 1 and run.model.vocab_size % LOSS_VOCAB_CHUNKS == 0:
         out.append((f"train.loss_vocab_chunks={LOSS_VOCAB_CHUNKS}",
                     with_loss_vocab_chunks(run, LOSS_VOCAB_CHUNKS)))
+    model = run.model
+    if model.residual == "delta" and model.layer_driver == "lean" and not model.rebuild_states:
+        out.append(("model.rebuild_states=true", with_rebuilt_states(run)))
     devices = mesh["data"] * mesh["fsdp"] * mesh["tensor"]
     all_fsdp = with_mesh(run, 1, -1, 1)  # every device of a slice; the slices stay on data
     if (all_fsdp.mesh != run.mesh and mesh["data"] * mesh["tensor"] > 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from delta_jax.config import ModelConfig
+from delta_jax.config import ModelConfig, current_fields
 from delta_jax.data.corpus import DEFAULT_CACHE_DIR, EMBEDDED
 from delta_jax.data.pipeline import PACKINGS
 
@@ -236,6 +236,8 @@ def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
 
 
 def _build(cls, values: dict[str, Any], prefix: str, where: str):
+    if cls is ModelConfig:  # a run config written before a field was renamed or retired
+        values = current_fields(values, where)
     types_ = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(types_))
     if unknown:

@@ -1,1 +1,0 @@
-"""Pallas kernels (TPU; interpreted on other backends)."""
