@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # worker (tests/conftest.py). PYTEST_XDIST= runs in one process.
 PYTEST_XDIST ?= -n auto --maxprocesses=4 --dist loadgroup
 
-.PHONY: demo test test-fast lint install install-test gpu-compiler clean
+.PHONY: demo test test-all lint install install-test gpu-compiler clean
 
 # The pinned runtime requirements, then the package itself (editable, its dependencies being
 # those pins already).
@@ -48,14 +48,15 @@ demo: $(RUNTIME_STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/python -m delta_jax.train --config configs/demo.yaml
 
-# pytest exits 5 when it collected nothing: report that as the failure it is.
+# `make test`: the quick suite, every module, the tests marked slow left out. `make test-all`:
+# everything (CI). pytest exits 5 when it collected nothing: report that as the failure it is.
 test: $(TEST_STAMP) $(GPU_STAMP)
-	$(VENV)/bin/python -m pytest tests $(PYTEST_XDIST) $(PYTEST_ARGS) || { rc=$$?; \
+	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -ne 5 ] || echo "make test: pytest collected no tests" >&2; exit $$rc; }
 
-# The suite without the tests marked slow.
-test-fast: $(TEST_STAMP) $(GPU_STAMP)
-	$(VENV)/bin/python -m pytest tests -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
+test-all: $(TEST_STAMP) $(GPU_STAMP)
+	$(VENV)/bin/python -m pytest tests $(PYTEST_XDIST) $(PYTEST_ARGS) || { rc=$$?; \
+	  [ $$rc -ne 5 ] || echo "make test-all: pytest collected no tests" >&2; exit $$rc; }
 
 # ruff, configured in pyproject.toml (line length 100).
 lint: $(TEST_STAMP)

@@ -1,6 +1,8 @@
 """The benchmark harness runs every variant and writes the promised fields."""
 import json
 
+import pytest
+
 from delta_jax.bench.__main__ import main
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=3",
@@ -9,6 +11,7 @@ TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=3",
         "train.seq_len=16"]
 
 
+@pytest.mark.slow
 def test_bench_writes_one_row_per_variant_and_driver(tmp_path, capsys):
     out = tmp_path / "bench.json"
     main(["--config", "configs/bench_cpu.yaml", "--variants", "baseline,delta",

@@ -76,6 +76,7 @@ def compared(setup):
     return output, report, plan_runs(str(config), VARIANTS, SEEDS, str(output))
 
 
+@pytest.mark.slow
 def test_every_pair_is_an_ordinary_finished_train_run(compared):
     output, _, runs = compared
     assert [run.name for run in runs] == ["baseline/seed0", "delta_block/seed0",
@@ -95,6 +96,7 @@ def test_every_pair_is_an_ordinary_finished_train_run(compared):
         assert a == b
 
 
+@pytest.mark.slow
 def test_report_agrees_with_the_runs_metrics(compared):
     output, report, runs = compared
     assert json.loads((output / "compare.json").read_text()) == report
@@ -129,6 +131,7 @@ def test_report_agrees_with_the_runs_metrics(compared):
     assert "| delta_block | 2 |" in table and f"{got['mean']:+.4f}" in table
 
 
+@pytest.mark.slow
 def test_a_rerun_trains_nothing_and_rebuilds_the_same_report(compared, setup, capsys):
     output, report, runs = compared
     before = {run.name: (run.output_dir / "metrics.jsonl").read_bytes() for run in runs}
@@ -140,6 +143,7 @@ def test_a_rerun_trains_nothing_and_rebuilds_the_same_report(compared, setup, ca
     assert main(compare_args(setup[1], output, "--report-only"))["variants"] == report["variants"]
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_is_resumed_to_the_same_result(compared, setup, capsys):
     """Take the last checkpoint and the metrics after step 2 away: the run is unfinished,
     --print-commands lists it alone, and compare resumes it from step 2 to the same loss."""
@@ -162,6 +166,7 @@ def test_an_unfinished_run_is_resumed_to_the_same_result(compared, setup, capsys
     assert losses(again) == losses(report)  # its throughput is this run's own
 
 
+@pytest.mark.slow
 def test_status_and_refusals(compared, setup, tmp_path):
     output, _, _ = compared
     config = setup[1]
@@ -224,6 +229,7 @@ def test_a_failing_run_stops_the_comparison_with_its_exit_code(setup, tmp_path, 
 
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_running_child_which_checkpoints(setup, tmp_path):
     """SIGTERM to compare (as a scheduler sends it) is passed to the training child: it saves
     its step and exits 75, and so does compare; the run is left unfinished, to be resumed."""

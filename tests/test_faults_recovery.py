@@ -85,6 +85,7 @@ def test_sigterm_checkpoints_and_resumes_bitwise(straight, data_dir, root):  # n
     assert_same_run(cfg.output_dir, straight)
 
 
+@pytest.mark.slow
 def test_sigint_exits_with_the_same_code(data_dir, root):  # noqa: F811
     output = interrupt(config(data_dir, root / "sigint"), root, signal.SIGINT)
     assert re.search(r"SIGINT received: checkpointed step \d+ at", output), output[-3000:]
@@ -119,7 +120,8 @@ def test_kill_9_resumes_from_the_newest_complete_checkpoint(straight, data_dir, 
 
 # Orbax leaves the coroutines of the other arrays' reads unawaited when one read fails.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage", ["truncate", "delete_item", "bad_metadata"])
+@pytest.mark.parametrize("damage", ["truncate", *[pytest.param(d, marks=pytest.mark.slow)
+                                                  for d in ("delete_item", "bad_metadata")]])
 def test_a_damaged_newest_checkpoint_falls_back(straight, data_dir, root, damage,  # noqa: F811
                                                 caplog):
     out = root / f"damaged_{damage}"
@@ -204,6 +206,7 @@ def test_nan_steps_are_skipped_without_touching_the_state(data_dir, root):  # no
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_consecutive_nan_steps_stop_the_run(data_dir, root):  # noqa: F811
     cfg = config(data_dir, root / "nan_stop", "checkpoint.every=1",
                  "train.inject_nan_steps=[2,3,4]", "train.max_nonfinite_steps=2")

@@ -212,13 +212,16 @@ def _relative_error(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(a.ravel()) + 1e-30))
 
 
+SLOW = pytest.mark.slow  # the quick suite (make test) keeps one or two cases of a family
+
+
 @pytest.mark.parametrize("residual,extra,gate", [
-    *[(residual, {}, None) for residual in ("baseline", "block", "full")],
+    *[pytest.param(residual, {}, None, marks=SLOW) for residual in ("baseline", "block", "full")],
     *[(residual, dict(null_source=True, routing_gate=True), None)
       for residual in ("delta", "delta_block")],
     # the residual stream travels in the carry: its cotangent must cross the lean backward too
-    *[(residual, dict(routing_gate=True, gate_base="stream"), 0.5) for residual in ("block",
-                                                                                  "full")],
+    *[pytest.param(residual, dict(routing_gate=True, gate_base="stream"), 0.5, marks=SLOW)
+      for residual in ("block", "full")],
 ], ids=["baseline", "block", "full", "delta", "delta_block", "block-stream", "full-stream"])
 def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
     """Relative 1e-5 over the whole gradient; 1e-4 per parameter (float32 sums of thousands of
@@ -244,7 +247,7 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
                 assert close, (driver, jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("residual", ["delta", "full"])
+@pytest.mark.parametrize("residual", ["delta", pytest.param("full", marks=SLOW)])
 def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, capsys):
     """Every remat policy gives the no-remat gradient (lean and scan drivers); save_dots keeps
     each site's routed sublayer input, so the layer's backward does not read the buffer again
@@ -331,8 +334,9 @@ def test_layers_known_to_start_no_block_skip_their_write(residual):
 
 @pytest.mark.parametrize("extra", [
     dict(layer_loops=2),
-    dict(layer_loops=3, remat="save_dots", unroll_layers=True),
-    dict(layer_loops=2, block_sources="paper", null_source=True, routing_gate=True),
+    pytest.param(dict(layer_loops=3, remat="save_dots", unroll_layers=True), marks=SLOW),
+    pytest.param(dict(layer_loops=2, block_sources="paper", null_source=True, routing_gate=True),
+                 marks=SLOW),
 ])
 def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypatch):
     """The lean driver commits delta_block's source before a loop that is one block's first
@@ -362,8 +366,9 @@ def test_hoisted_block_writes_keep_the_function_and_its_gradient(extra, monkeypa
 
 @pytest.mark.parametrize("extra", [
     dict(layer_loops=1),
-    dict(layer_loops=3),
-    dict(layer_loops=2, null_source=True, routing_gate=True, remat="save_dots"),
+    pytest.param(dict(layer_loops=3), marks=SLOW),
+    pytest.param(dict(layer_loops=2, null_source=True, routing_gate=True, remat="save_dots"),
+                 marks=SLOW),
 ])
 def test_delta_states_rebuilt_from_the_buffer_keep_the_gradient(extra, monkeypatch):
     """With rebuild_states the lean driver keeps each loop's input state only and rebuilds its
@@ -428,7 +433,7 @@ def test_zero_queries_give_the_baseline_except_delta_block(capsys):
     assert exact["delta_block"] > 1e-1
 
 
-@pytest.mark.parametrize("residual", ["block", "full"])
+@pytest.mark.parametrize("residual", ["block", pytest.param("full", marks=SLOW)])
 def test_stream_gate_spans_the_baseline_and_attnres(residual):
     """gate_base='stream': every gate at 0 is the plain Qwen3 (the stream is summed in the
     baseline's order; to float32 rounding, being another program), every gate at 1 is the

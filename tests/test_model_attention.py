@@ -48,6 +48,7 @@ def test_splash_matches_xla(seq, head_dim):
 
 
 @pytest.mark.parametrize("mesh_axes", [(2, 2, 2), (1, 2, 4)], ids=["kv-split", "kv-repeated"])
+@pytest.mark.slow
 def test_splash_under_a_mesh_matches_xla(mesh_axes):
     """shard_map over batch and heads; on tensor=4 the 2 kv heads are repeated to 4."""
     q, k, v = qkv(2, 128, 4, 2, 16, seed=1)
@@ -76,6 +77,7 @@ def test_splash_with_segment_ids_matches_xla():
 
 
 @pytest.mark.parametrize("mesh_axes", [(2, 2, 2), (1, 2, 4)], ids=["kv-split", "kv-repeated"])
+@pytest.mark.slow
 def test_splash_with_segment_ids_under_a_mesh_matches_xla(mesh_axes):
     q, k, v = qkv(2, 128, 4, 2, 16, seed=3)
     segments = packed_segments(2, 128, seed=1)

@@ -166,7 +166,6 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.mark.slow
 def test_two_processes_evaluate_as_one(checkpoint, one_device, stream, tmp_path):
     out = tmp_path / "eval.json"
     done = _launch("--module", "delta_jax.eval", "--model", str(checkpoint), "--data", str(TEXT),

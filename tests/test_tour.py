@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a training run and a dozen fresh processes: about 3 minutes
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
 PROMPT = "Return the "

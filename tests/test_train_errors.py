@@ -51,21 +51,25 @@ def assert_refused(done: subprocess.CompletedProcess, run_dir: Path, *named: str
     return last
 
 
+def _slow(*args):  # make test keeps one case of a kind; make test-all runs every case
+    return pytest.param(*args, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("overrides, named", [
     (["train.batch_size=3"], ["train.batch_size=3", "2 devices", "train.batch_size=2",
                               "train.batch_size=4"]),
-    (["train.batch_size=6", "train.grad_accum=2"], ["train.grad_accum=2", "a multiple of 4",
-                                                  "train.batch_size=8"]),
+    _slow(["train.batch_size=6", "train.grad_accum=2"], ["train.grad_accum=2", "a multiple of 4",
+                                                         "train.batch_size=8"]),
     (["mesh.data=4"], ["data=4", "but 2 are available", "mesh.data=-1"]),
-    (["mesh.fsdp=3"], ["data=-1", "2 devices do not split over the other axes' 3",
-                       "mesh.data=-1 mesh.fsdp=1"]),
-    (["mesh.dcn_data=2"], ["across slices", "mesh.dcn_data"]),
+    _slow(["mesh.fsdp=3"], ["data=-1", "2 devices do not split over the other axes' 3",
+                            "mesh.data=-1 mesh.fsdp=1"]),
+    _slow(["mesh.dcn_data=2"], ["across slices", "mesh.dcn_data"]),
     (["train.bogus=1"], ["unknown key(s) train.bogus", "valid keys: train.steps"]),
-    (["train.steps=x"], ["train.steps='x' is invalid: expected int"]),
-    (["model.residual=nope"], ["residual='nope' is invalid", "delta_block"]),
-    (["model.vocab_size=200"], ["model.vocab_size=200", "'byte' tokenizer",
-                                "expected model.vocab_size >= 257"]),
-    (["data.validation_split=nope"], ["no split 'nope'"]),
+    _slow(["train.steps=x"], ["train.steps='x' is invalid: expected int"]),
+    _slow(["model.residual=nope"], ["residual='nope' is invalid", "delta_block"]),
+    _slow(["model.vocab_size=200"], ["model.vocab_size=200", "'byte' tokenizer",
+                                     "expected model.vocab_size >= 257"]),
+    _slow(["data.validation_split=nope"], ["no split 'nope'"]),
 ])
 def test_config_misfits(data_dir, tmp_path, overrides, named):
     assert_refused(train(tmp_path / "run", data_dir, *overrides), tmp_path / "run", *named)
@@ -79,23 +83,27 @@ def test_missing_data_path(tmp_path):
     assert not missing.exists()
 
 
+@pytest.mark.slow
 def test_missing_tokenizer_file(tmp_path):
     spec = f"tfds:tiny_docs?tokenizer={tmp_path / 'tokenizer.json'}"
     assert_refused(train(tmp_path / "run", spec), tmp_path / "run", "data.path='tfds:tiny_docs",
                    f"{tmp_path / 'tokenizer.json'}: no such tokenizer file")
 
 
+@pytest.mark.slow
 def test_missing_init_from(data_dir, tmp_path):
     assert_refused(train(tmp_path / "run", data_dir, f"train.init_from={tmp_path / 'ckpt'}"),
                    tmp_path / "run", f"train.init_from='{tmp_path / 'ckpt'}' is not a model "
                    "checkpoint")
 
 
+@pytest.mark.slow
 def test_missing_config_file(data_dir, tmp_path):
     assert_refused(train(tmp_path / "run", data_dir, config=tmp_path / "missing.yaml"),
                    tmp_path / "run", str(tmp_path / "missing.yaml"))
 
 
+@pytest.mark.slow
 def test_output_dir_below_a_file(data_dir, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("kept")
@@ -104,6 +112,7 @@ def test_output_dir_below_a_file(data_dir, tmp_path):
     assert blocker.read_text() == "kept" and sorted(tmp_path.iterdir()) == [blocker]
 
 
+@pytest.mark.slow
 def test_checkpoint_directory_not_writable_leaves_no_output_dir(data_dir, tmp_path):
     """The output folder is writable but the checkpoint folder is not: neither is created."""
     blocker = tmp_path / "a_file"
