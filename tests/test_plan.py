@@ -2,6 +2,7 @@
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -101,8 +102,29 @@ def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
     assert row["total_bytes"] >= row["temp_bytes"] > 0 and row["params_bytes"] > 0
     assert row["fits"] is None  # no HBM figure for a CPU unless --hbm-gib
     assert row["routing_floor"]["num_slots"] == 2  # the config's delta_block, two blocks
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
     assert "not judged" in text and "routing floor" in text
+    started = "delta_block (variant 1 of 1): compiling the train step (memory)"
+    assert f"{started} ..." in err and f"{started}: done in " in err and "compiling" not in text
+
+
+@pytest.mark.slow  # two processes start jax (the planner and its compiling child): ~1 minute
+def test_progress_goes_to_stderr_and_the_report_to_stdout():
+    """A real process, as `> plan.txt` runs it: each compile says on stderr what it compiles
+    and, as it ends, its seconds; stdout holds the report alone."""
+    done = subprocess.run(
+        [sys.executable, "-m", "delta_jax.plan", *CONFIG, "--topology", "cpu:8",
+         "--variants", "delta", *TINY], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for what in ("compiling the train step (memory)",
+                 "compiling the cost twin (layers unrolled: FLOPs, time)"):
+        line = re.escape(f"delta (variant 1 of 1): {what}")
+        assert re.search(rf"INFO delta_jax.plan: {line} \.\.\.$", done.stderr, re.M), (
+            what, done.stderr)
+        assert re.search(rf"{line}: done in \d+\.\d s$", done.stderr, re.M), (what, done.stderr)
+    assert re.search(r"planned 1 variant\(s\) in \d+\.\d s$", done.stderr, re.M)
+    assert "compiling" not in done.stdout and "done in" not in done.stdout
+    assert done.stdout.startswith("topology cpu:8") and "compile time" in done.stdout
 
 
 def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
@@ -115,8 +137,11 @@ def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
     changes = [alt["change"] for alt in row["alternatives"]]
     assert changes == ["model.remat=full"]  # 8 rows over 8 devices: no room to accumulate
     assert all(alt["total_bytes"] > 0 for alt in row["alternatives"])
-    text = capsys.readouterr().out
-    assert "does NOT fit" in text and "alternatives" in text
+    out, err = capsys.readouterr()
+    assert "does NOT fit" in out and "alternatives" in out
+    label = "delta_block, alternative 1 of 1 (model.remat=full): compiling the train step (memory)"
+    assert f"{label} ..." in err and f"{label}: done in " in err
+    assert "cost twin" not in err  # --no-estimate: memory only
 
 
 @needs_libtpu
@@ -246,7 +271,7 @@ def test_bad_override_and_variant_exit_2(capsys):
 
 
 @needs_libtpu
-def test_where_finds_the_smallest_slice(tmp_path):
+def test_where_finds_the_smallest_slice(tmp_path, capsys):
     from delta_jax.plan import where
 
     out = tmp_path / "where.json"
@@ -255,6 +280,12 @@ def test_where_finds_the_smallest_slice(tmp_path):
     (row,) = json.loads(out.read_text())
     assert (row["slice"], row["remat"], row["grad_accum"]) == ("1x1", "none", 1)
     assert 0 < row["hbm_bytes"] <= row["hbm_per_device"]
+    # progress on stderr: each candidate as its compile starts, and what it holds as it ends
+    label = "v5e:1x1 remat=none grad_accum=1 mesh=data1/fsdp1/tensor1 (candidate 1 of 6)"
+    err = capsys.readouterr().err
+    assert f"{label}: compiling the train step (memory) ..." in err
+    assert re.search(rf"{re.escape(label)}: [0-9.]+ GiB \(live at the peak [0-9.]+\) of "
+                     r"15\.75, done in \d+\.\d s", err), err
 
 
 @needs_libtpu

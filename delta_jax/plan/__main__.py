@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,16 @@ from typing import Any
 # host without a TPU) said.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+from delta_jax.cli import setup_logging  # noqa: E402
 from delta_jax.config import RESIDUALS  # noqa: E402
-from delta_jax.plan import knobs, report  # noqa: E402
-from delta_jax.plan.compile import StepPlan, compile_named, mesh_sizes, with_variant  # noqa: E402
+from delta_jax.plan import knobs, progress, report  # noqa: E402
+from delta_jax.plan.compile import (  # noqa: E402
+    StepPlan,
+    compile_named,
+    cost_named,
+    mesh_sizes,
+    with_variant,
+)
 from delta_jax.plan.floors import floor_for_plan  # noqa: E402
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError, Topology, resolve  # noqa: E402
@@ -95,13 +103,27 @@ def variant_names(text: str | None, default: str) -> list[str]:
     return sorted(names, key=lambda n: n != "baseline")
 
 
+def compile_plan(compile_: Worker, run: RunConfig, topology: Topology, estimate: bool,
+                 label: str) -> StepPlan:
+    """run's step compiled in compile_'s child process: the step itself, then with `estimate`
+    its cost twin (compile.py), each logged with its seconds under `label`."""
+    with progress.timed(f"{label}: compiling the train step (memory)"):
+        plan = compile_(run, topology.name, topology.num_slices, False)
+    if not estimate or plan.oom is not None:
+        return plan
+    with progress.timed(f"{label}: compiling the cost twin (layers unrolled: FLOPs, time)"):
+        return compile_.call(cost_named, run, topology.name, topology.num_slices, plan)
+
+
 def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
             peak: float | None, compile_: Worker, by: str = "total") -> list[dict[str, Any]]:
     """Compile each one-notch alternative to `run`; print and return how each does."""
     rows, out = [], []  # memory only: the question is whether it fits
-    for change, alt_run in knobs.alternatives(run, plan.mesh):
+    alternatives = knobs.alternatives(run, plan.mesh)
+    for number, (change, alt_run) in enumerate(alternatives, 1):
+        label = f"{plan.variant}, alternative {number} of {len(alternatives)} ({change})"
         try:
-            alt = compile_(alt_run, topology.name, topology.num_slices, False)
+            alt = compile_plan(compile_, alt_run, topology, False, label)
         except CompilerCrash as crash:
             rows.append([change, f"compiler crashed: {crash}", "", "-"])
             out.append({"change": change, "compiler_crash": str(crash)})
@@ -132,13 +154,14 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
     print(f"topology {topology.describe()}; config {args.config}")
     results, plans, floors = [], [], []
+    variants, start = variant_names(args.variants, base.model.residual), time.perf_counter()
     with Worker(compile_named) as compile_:
-        for variant in variant_names(args.variants, base.model.residual):
+        for number, variant in enumerate(variants, 1):
             run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
             entry = {"topology": topology.name, "num_slices": topology.num_slices}
             try:
-                step_plan = compile_(run, topology.name, topology.num_slices,
-                                     not args.no_estimate)
+                step_plan = compile_plan(compile_, run, topology, not args.no_estimate,
+                                         f"{variant} (variant {number} of {len(variants)})")
             except CompilerCrash as crash:
                 print(f"{variant}: not planned, the compiler crashed ({crash}); the same step "
                       "may compile with other settings (remat, grad_accum, "
@@ -157,6 +180,8 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak, compile_,
                                                 args.fit_by)
             results.append(entry)
+    progress.logger.info("planned %d variant(s) in %.1f s", len(variants),
+                         time.perf_counter() - start)
     if len(plans) > 1 or (plans and args.markdown):
         print()
         print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by))
@@ -172,6 +197,7 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
     try:
         results = plan(argv)
     except (PlanError, ValueError, FileNotFoundError) as err:

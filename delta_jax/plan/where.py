@@ -22,12 +22,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # compile only (see __main__)
 
+from delta_jax.cli import setup_logging  # noqa: E402
 from delta_jax.plan import knobs, report  # noqa: E402
 from delta_jax.plan.chips import SLICES, chip  # noqa: E402
 from delta_jax.plan.compile import (  # noqa: E402
@@ -39,6 +41,7 @@ from delta_jax.plan.compile import (  # noqa: E402
     state_bytes,
 )
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
+from delta_jax.plan.progress import logger  # noqa: E402
 from delta_jax.plan.topology import PlanError  # noqa: E402
 from delta_jax.sharding import slice_groups  # noqa: E402
 from delta_jax.train.config import RunConfig, load_config  # noqa: E402
@@ -88,23 +91,30 @@ def smallest_fit(run: RunConfig, chip_name: str,
         hbm = topology.hbm_per_device
         num_slices = len(slice_groups(topology.devices)[1])  # GPU nodes; a TPU slice is one
         tried = list(candidates(run, topology.num_devices // num_slices, num_slices))
-        if not tried or state_bytes(tried[0], topology) > hbm:
+        if not tried:
             continue
-        for candidate in tried:
+        state = state_bytes(tried[0], topology)
+        if state > hbm:
+            logger.info("%s: skipped, parameters and optimizer state alone take %.2f of "
+                        "%.2f GiB", topology.name, state / GiB, hbm / GiB)
+            continue
+        for number, candidate in enumerate(tried, 1):
+            tried_knobs = knobs_text(candidate.model.remat, candidate.train.grad_accum,
+                                     mesh_sizes(candidate, topology))
+            label = f"{topology.name} {tried_knobs} (candidate {number} of {len(tried)})"
+            logger.info("%s: compiling the train step (memory) ...", label)
+            start = time.perf_counter()
             try:
                 plan = compile_memory(candidate, topology.name)
             except CompilerCrash as crash:
-                tried_knobs = knobs_text(candidate.model.remat, candidate.train.grad_accum,
-                                         mesh_sizes(candidate, topology))
-                print(f"  {topology.name}: {tried_knobs}: skipped, the compiler crashed "
-                      f"({crash})", file=sys.stderr, flush=True)
+                logger.warning("%s: skipped, the compiler crashed (%s)", label, crash)
                 crashed.append(f"{topology.name} {tried_knobs}")
                 continue
             counts = (f"refused by the compiler, needs {plan.total_bytes / GiB:.2f} GiB"
                       if plan.oom else f"{plan.total_bytes / GiB:.2f} GiB (live at the peak "
                       f"{_gib_or_dash(plan.live_peak_bytes)})")
-            print(f"  {topology.name}: {plan.knobs}: {counts} of {hbm / GiB:.2f}",
-                  file=sys.stderr, flush=True)
+            logger.info("%s: %s of %.2f, done in %.1f s", label, counts, hbm / GiB,
+                        time.perf_counter() - start)
             if report.fits(plan, hbm, by):
                 return {"chip": chip_name, "slice": shape, "devices": topology.num_devices,
                         "mesh": plan.mesh, "remat": plan.remat, "grad_accum": plan.grad_accum,
@@ -152,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to every config")
     args = p.parse_intermixed_args(argv)
+    setup_logging()
     try:
         chips = [c for c in args.chips.split(",") if c]
         for name in chips:
@@ -164,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for path in [c for c in args.configs.split(",") if c]:
                 run = load_config(path, args.overrides)
                 for name in chips:
-                    print(f"{path} on {name}", file=sys.stderr, flush=True)
+                    logger.info("%s on %s: the smallest slice that fits", path, name)
                     rows.append({"config": Path(path).stem,
                                  **smallest_fit(run, name, compile_memory, args.fit_by)})
     except (PlanError, ValueError, FileNotFoundError) as err:
