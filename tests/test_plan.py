@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from delta_jax.config import RESIDUALS
 from delta_jax.plan import knobs, report, topology
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.compile import StepPlan
@@ -65,14 +66,19 @@ def test_fits_on_synthetic_numbers():
     assert report.mfu(_plan(estimated_step_s=None), 1e9) is None
 
 
+def unwrapped(text: str) -> str:
+    """`text` with its line breaks and indents as single spaces: the report wraps at 100."""
+    return " ".join(text.split())
+
+
 def test_the_verdict_names_its_count_and_what_the_compiler_accepts():
-    over_by_total = report.describe(_plan(live_peak_bytes=80), 90, None)
+    over_by_total = unwrapped(report.describe(_plan(live_peak_bytes=80), 90, None))
     assert ("does NOT fit by the total" in over_by_total
             and "the compiler accepts it" in over_by_total and "--fit-by live" in over_by_total)
-    assert "fits by the live peak" in report.describe(_plan(live_peak_bytes=80), 90, None,
-                                                      by="live")
-    refused = report.describe(_plan(live_peak_bytes=200, oom="RESOURCE_EXHAUSTED"), 90, None,
-                              by="live")
+    assert "fits by the live peak" in unwrapped(report.describe(_plan(live_peak_bytes=80), 90, None,
+                                                             by="live"))
+    refused = unwrapped(report.describe(_plan(live_peak_bytes=200, oom="RESOURCE_EXHAUSTED"), 90,
+                                     None, by="live"))
     assert "the compiler refused it" in refused
     table = report.variants_table([_plan(live_peak_bytes=80)], 90, by="live")
     assert "fits (live)" in table and "yes" in table
@@ -144,6 +150,57 @@ def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
     assert "cost twin" not in err  # --no-estimate: memory only
 
 
+class _Synthetic:
+    """In place of the compiling child process: a large StepPlan for each variant, nothing
+    compiled (--no-estimate: the step alone)."""
+
+    def __init__(self, function):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def __call__(self, run, *args):
+        gib = 2**30
+        size = 1 + list(RESIDUALS).index(run.model.residual)
+        return _plan(variant=run.model.residual, total_bytes=123 * size * gib,
+                     live_peak_bytes=99 * size * gib, bytes_accessed=12345.6 * size * gib,
+                     estimated_step_s=12.3456 * size, flops=1e15, compile_s=1234.0)
+
+
+def test_the_default_tables_fit_100_columns_and_wide_prints_every_column(
+        tmp_path, monkeypatch, capsys):
+    import delta_jax.plan.__main__ as planner
+
+    monkeypatch.setattr(planner, "Worker", _Synthetic)
+    out = tmp_path / "plan.json"
+    args = [*CONFIG, "--topology", "cpu:8", "--variants", "all", "--hbm-gib", "400",
+            "--no-estimate", "--no-suggest", "--json", str(out), *TINY]
+    assert main(args) == 1  # the later variants are over 400 GiB
+    default = capsys.readouterr().out
+    assert max(len(line) for line in default.splitlines()) <= 100, default
+    assert "est. tokens/s" in default and "floor+cot." in default
+    for column in ("bytes accessed GiB", "compile s", "live floor GiB"):
+        assert column not in default
+    rows = json.loads(out.read_text())
+    assert all(row["bytes_accessed"] > 0 and row["compile_s"] == 1234.0 for row in rows)
+
+    assert main([*args, "--wide"]) == 1
+    wide = capsys.readouterr().out
+    headers = [re.split(r"\s{2,}", line) for line in wide.splitlines()
+               if line.startswith("variant ")]
+    assert headers[0] == ["variant", "HBM/device GiB", "live at peak GiB", "fits",
+                          "est. step s", "bytes accessed GiB", "est. tokens/s", "compile s"]
+    for column in ("HBM floor GiB", "peak in backward: floor GiB", "live floor GiB",
+                   "peak in backward: live floor GiB", "bytes floor GiB"):
+        assert column in wide
+    assert max(len(line) for line in wide.splitlines()) > 150
+    assert json.loads(out.read_text()) == rows  # the JSON is whole either way
+
+
 @needs_libtpu
 def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     out = tmp_path / "plan.json"
@@ -159,7 +216,7 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
             assert row[key] > 0, key
         # The live peak counts the arguments (the state) it holds at once.
         assert row["live_peak_bytes"] >= row["params_bytes"] + row["opt_state_bytes"]
-    text = capsys.readouterr().out
+    text = unwrapped(capsys.readouterr().out)
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
     assert "live at the peak" in text
     assert rows[0]["routing_floor"] is None and rows[1]["routing_floor"]["slot_reads"] == 7
@@ -362,7 +419,10 @@ def test_where_judges_by_the_count_asked_for():
     by_live = where.smallest_fit(run, "v5e", compile_memory, by="live")
     assert (by_live["slice"], by_live["remat"], by_live["fit_by"]) == ("1x1", "none", "live")
     assert by_live["hbm_per_device"] == int(15.75 * 2**30)
-    assert "15.00" in where.table([{"config": "220m", **by_live}], markdown=False)
+    table = where.table([{"config": "220m", **by_live}], markdown=False)
+    assert "15.00" in table and max(len(line) for line in table.splitlines()) <= 100
+    wide = where.table([{"config": "220m", **by_live}], markdown=False, wide=True)
+    assert wide.splitlines()[0].split("  ")[-1] == "compiler's limit GiB" and "v5e  " in wide
 
 
 def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
@@ -396,7 +456,7 @@ def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
     assert delta == {"topology": "cpu:8", "num_slices": 1, "variant": "delta", "fits": None,
                      "compiler_crash": "the compiling process was killed by SIGSEGV"}
     assert "delta: not planned, the compiler crashed (the compiling process was killed by " \
-        "SIGSEGV)" in capsys.readouterr().out
+        "SIGSEGV)" in unwrapped(capsys.readouterr().out)
 
 
 @needs_libtpu

@@ -14,6 +14,7 @@ from delta_jax.plan import gpus
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.chips import CHIPS
 from delta_jax.sharding import make_hybrid_mesh
+from tests.test_plan import unwrapped
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
@@ -104,7 +105,7 @@ def test_h100_node_plans_memory_and_a_labelled_roofline_estimate(tmp_path, capsy
         roofline = max(row["flops"] / 989e12, row["bytes_accessed"] / 3.35e12)
         assert row["estimated_step_s"] == pytest.approx(roofline) and roofline > 0
         assert row["estimated_tokens_per_s"] > 0 and 0 < row["estimated_mfu"] < 1
-    text = capsys.readouterr().out
+    text = unwrapped(capsys.readouterr().out)
     assert "estimated by a roofline over XLA's cost analysis" in text
     assert "(not measured)" in text and "(an estimate)" in text and "of 79.11 GiB" in text
 
@@ -130,7 +131,7 @@ def test_an_over_budget_step_compiles_and_is_judged_by_the_planner(tmp_path, cap
                  "--no-suggest", "--json", str(out), *TINY]) == 1
     (row,) = json.loads(out.read_text())
     assert row["fits"] is False and row["oom"] is None and row["total_bytes"] > 0.0001 * 2**30
-    assert "does NOT fit by the total" in capsys.readouterr().out
+    assert "does NOT fit by the total" in unwrapped(capsys.readouterr().out)
 
 
 @needs_gpu_compiler

@@ -1,7 +1,7 @@
 """python -m delta_jax.plan: will this run fit on that slice, and how fast would it be?
 
     python -m delta_jax.plan --config configs/8b.yaml --topology v5p:4x4x4 \
-        [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--json OUT] \
+        [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--wide] [--json OUT] \
         [--hbm-gib X] [--fit-by total|live] [--peak-tflops X] [--no-suggest] \
         [section.key=value ...]
 
@@ -87,6 +87,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-suggest", action="store_true",
                    help="do not compile alternatives for a run that does not fit")
     p.add_argument("--markdown", action="store_true", help="print the variants table as Markdown")
+    p.add_argument("--wide", action="store_true",
+                   help="the tables with every column under its long name (about 160 columns; "
+                        "by default they fit in 100, the rarer columns left out)")
     p.add_argument("--json", type=Path, help="write every compiled plan here (a JSON list)")
     p.add_argument("overrides", nargs="*", help="section.key=value, as for the trainer")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
@@ -163,9 +166,9 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 step_plan = compile_plan(compile_, run, topology, not args.no_estimate,
                                          f"{variant} (variant {number} of {len(variants)})")
             except CompilerCrash as crash:
-                print(f"{variant}: not planned, the compiler crashed ({crash}); the same step "
-                      "may compile with other settings (remat, grad_accum, "
-                      "train.loss_vocab_chunks)", flush=True)
+                print(report.wrap(f"{variant}: not planned, the compiler crashed ({crash}); "
+                                  "the same step may compile with other settings (remat, "
+                                  "grad_accum, train.loss_vocab_chunks)"), flush=True)
                 results.append({**entry, "variant": variant, "fits": None,
                                 "compiler_crash": str(crash)})
                 continue
@@ -182,18 +185,30 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             results.append(entry)
     progress.logger.info("planned %d variant(s) in %.1f s", len(variants),
                          time.perf_counter() - start)
-    if len(plans) > 1 or (plans and args.markdown):
-        print()
-        print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by))
-    floor_table = report.floors_table(plans, floors, markdown=args.markdown)
-    if floor_table is not None:
-        print("\nrouting against its floor (the baseline plus what no form of routing avoids; "
-              "delta_jax/plan/floors.py):")
-        print(floor_table)
+    print_tables(plans, floors, hbm, args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
     return results
+
+
+def print_tables(plans: list[StepPlan], floors: list, hbm: int | None,
+                 args: argparse.Namespace) -> None:
+    """The variants side by side, and the routing variants against their floors (floors.py),
+    each after a key to its short column names unless --wide."""
+    if len(plans) > 1 or (plans and args.markdown):
+        print()
+        if not args.wide:
+            print(report.wrap(report.VARIANTS_KEY))
+        print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by,
+                                    wide=args.wide))
+    floor_table = report.floors_table(plans, floors, markdown=args.markdown, wide=args.wide)
+    if floor_table is not None:
+        print()
+        print(report.wrap("routing against its floor (the baseline plus what no form of routing "
+                          "avoids; delta_jax/plan/floors.py)"
+                          + ("" if args.wide else f"; {report.FLOORS_KEY}") + ":"))
+        print(floor_table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 trains on.
 
     python -m delta_jax.plan.where --configs configs/220m.yaml,configs/8b.yaml \
-        --chips v5e,v5p,v6e,h100 [--fit-by total|live] [--markdown] [--json OUT] \
+        --chips v5e,v5p,v6e,h100 [--fit-by total|live] [--markdown] [--wide] [--json OUT] \
         [section.key=value ...]
 
 For each config and chip, slices are tried smallest first (chips.SLICES; GPUs as nodes of 8:
@@ -128,21 +128,32 @@ def _gib_or_dash(n: int | None) -> str:
     return "-" if not n else f"{n / GiB:.2f}"
 
 
-def table(rows: list[dict[str, Any]], markdown: bool) -> str:
+# The default table's columns, {long name (--wide): short name}: the slice names its chip.
+COLUMNS = {"config": "config", "smallest slice": "slice (devices)",
+           "mesh (data/fsdp/tensor)": "mesh d/f/t", "remat": "remat",
+           "grad_accum": "accum", "HBM/device GiB": "HBM GiB", "live at peak GiB": "live GiB",
+           "compiler's limit GiB": "limit GiB"}
+KEY = ("per device: HBM, memory_analysis's total (an upper bound); live, the bytes live at the "
+       "peak; limit, what the compiler lets a program hold (a GPU's memory):")
+
+
+def table(rows: list[dict[str, Any]], markdown: bool, wide: bool = False) -> str:
+    """One row per config and chip; COLUMNS unless `wide`."""
     header = ["config", "chip", "smallest slice", "mesh (data/fsdp/tensor)", "remat",
               "grad_accum", "HBM/device GiB", "live at peak GiB", "compiler's limit GiB"]
     body = []
     for r in rows:
         if r["slice"] is None:
-            body.append([r["config"], r["chip"], f"none up to {r['largest_tried']}", "", "", "",
-                         "", "", ""])
+            body.append([r["config"], r["chip"], f"none up to {r['chip']}:{r['largest_tried']}",
+                         "", "", "", "", "", ""])
             continue
         m = r["mesh"]
         body.append([r["config"], r["chip"], f"{r['chip']}:{r['slice']} ({r['devices']})",
                      f"{m['data']}/{m['fsdp']}/{m['tensor']}", r["remat"], str(r["grad_accum"]),
                      f"{r['hbm_bytes'] / GiB:.2f}", _gib_or_dash(r.get("live_peak_bytes")),
                      f"{r['hbm_per_device'] / GiB:.2f}"])
-    text = report.format_rows(header, body, markdown)
+    text = report.format_rows(*report.columns(header, body, None if wide else COLUMNS),
+                              markdown)
     crashes = [f"{r['config']} on {c}" for r in rows for c in r.get("crashed", [])]
     if crashes:
         text += ("\n\nskipped, the compiler crashed on them (such a step may compile with "
@@ -159,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fit-by", choices=report.FIT_COUNTS, default="total",
                    help=report.FIT_BY_HELP)
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--wide", action="store_true",
+                   help="the table with every column under its long name (by default it fits "
+                        "in 100)")
     p.add_argument("--json", type=Path)
     p.add_argument("overrides", nargs="*", help="section.key=value, applied to every config")
     args = p.parse_intermixed_args(argv)
@@ -181,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PlanError, ValueError, FileNotFoundError) as err:
         print(f"python -m delta_jax.plan.where: error: {err}", file=sys.stderr)
         return 2
-    print(table(rows, args.markdown))
+    if not args.wide:
+        print(report.wrap(KEY))
+    print(table(rows, args.markdown, args.wide))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
