@@ -84,6 +84,28 @@ def test_the_verdict_names_its_count_and_what_the_compiler_accepts():
     assert "fits (live)" in table and "yes" in table
 
 
+@pytest.mark.parametrize("chip, limit_gib, aside", [
+    ("v5p", 95.74, "more than the spec's figure, which is rounded down"),
+    ("v5e", 15.75, "the runtime keeps the rest")])
+def test_the_header_names_each_memory_figure_without_contradiction(chip, limit_gib, aside):
+    """The chip's HBM by its spec and the compiler's limit for a program are two figures, named
+    as such; where the limit is above the spec (v5p's 95 is rounded), the header says so rather
+    than calling the limit a part of the spec's HBM."""
+    from types import SimpleNamespace
+
+    from delta_jax.plan.chips import CHIPS
+
+    devices = tuple(SimpleNamespace(device_kind="TPU", coords=(i, 0, 0)) for i in range(4))
+    tpu = topology.Topology(f"{chip}:2x2", devices, CHIPS[chip])
+    tpu.__dict__["compiler_hbm_per_device"] = int(limit_gib * 2**30)  # as libtpu names it
+    spec_gib = CHIPS[chip].hbm_bytes / 2**30
+    assert tpu.memory() == (f"HBM {spec_gib:g} GiB by the chip's spec; the compiler's limit for "
+                            f"a program {limit_gib:.2f} GiB (libtpu's figure; {aside})")
+    assert (limit_gib > spec_gib) == (chip == "v5p")
+    assert tpu.judged_against() == f"the compiler's limit, {limit_gib:.2f} GiB"
+    assert "of it" not in tpu.memory()
+
+
 def test_grad_accum_alternatives_keep_microbatches_splittable():
     assert knobs.max_grad_accum(64, 16) == 4
     assert knobs.max_grad_accum(8, 8) == 1
@@ -110,6 +132,8 @@ def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
     assert row["routing_floor"]["num_slots"] == 2  # the config's delta_block, two blocks
     text, err = capsys.readouterr()
     assert "not judged" in text and "routing floor" in text
+    assert text.splitlines()[1] == ("  fit judged against nothing: no memory figure for a CPU "
+                                    "(--hbm-gib gives one)")
     started = "delta_block (variant 1 of 1): compiling the train step (memory)"
     assert f"{started} ..." in err and f"{started}: done in " in err and "compiling" not in text
 
@@ -145,6 +169,7 @@ def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
     assert all(alt["total_bytes"] > 0 for alt in row["alternatives"])
     out, err = capsys.readouterr()
     assert "does NOT fit" in out and "alternatives" in out
+    assert out.splitlines()[1] == "  fit judged against --hbm-gib, 0.00 GiB"  # no CPU figures
     label = "delta_block, alternative 1 of 1 (model.remat=full): compiling the train step (memory)"
     assert f"{label} ..." in err and f"{label}: done in " in err
     assert "cost twin" not in err  # --no-estimate: memory only
@@ -216,7 +241,14 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
             assert row[key] > 0, key
         # The live peak counts the arguments (the state) it holds at once.
         assert row["live_peak_bytes"] >= row["params_bytes"] + row["opt_state_bytes"]
-    text = unwrapped(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert out.splitlines()[:4] == [
+        "topology v5p:2x2x1 (4 x TPU v5); config configs/220m.yaml",
+        "  per device: HBM 95 GiB by the chip's spec; the compiler's limit for a program 95.74 "
+        "GiB (libtpu's",
+        "      figure; more than the spec's figure, which is rounded down)",
+        "  fit judged against the compiler's limit, 95.74 GiB"]
+    text = unwrapped(out)
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
     assert "live at the peak" in text
     assert rows[0]["routing_floor"] is None and rows[1]["routing_floor"]["slot_reads"] == 7

@@ -87,7 +87,9 @@ def test_gpu_nodes_are_compile_only_devices_one_host_a_node():
     h200 = resolve("h200:1x8")
     assert h200.devices[0].device_kind == "NVIDIA H200 141GB HBM3e"
     assert h200.hbm_per_device == 151_397_597_184
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in h200.describe()
+    assert h200.memory().startswith("memory 141.00 GiB as the GPU reports it")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in h200.memory()
+    assert h200.judged_against() == "the GPU's memory, 141.00 GiB"
 
 
 @needs_gpu_compiler

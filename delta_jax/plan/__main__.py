@@ -145,6 +145,17 @@ def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
     return out
 
 
+def header(topology: Topology, config: str, hbm_gib: float | None) -> str:
+    """The report's first lines: the topology, a device's memory figures (each named for what
+    it is) and the one a step's fit is judged against."""
+    judged = (f"--hbm-gib, {hbm_gib:.2f} GiB" if hbm_gib is not None
+              else topology.judged_against())
+    memory = topology.memory()
+    return "\n".join([f"topology {topology.describe()}; config {config}",
+                      *([report.wrap(f"  per device: {memory}")] if memory else []),
+                      f"  fit judged against {judged}"])
+
+
 def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The command; returns what --json writes. Raises PlanError/ValueError on bad input."""
     args = parse_args(argv)
@@ -155,7 +166,7 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     peak = (args.peak_tflops * 1e12 if args.peak_tflops is not None
             else topology.peak_flops_per_device
             or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
-    print(f"topology {topology.describe()}; config {args.config}")
+    print(header(topology, args.config, args.hbm_gib))
     results, plans, floors = [], [], []
     variants, start = variant_names(args.variants, base.model.residual), time.perf_counter()
     with Worker(compile_named) as compile_:
