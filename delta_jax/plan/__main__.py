@@ -18,7 +18,8 @@ peak, all the TPU compiler checks); XLA's FLOPs, bytes accessed and the step tim
 is compiled again with each knob turned
 one notch (remat, grad_accum, all-fsdp) to show which helps and by how much. Each compile runs
 in a child process (plan/isolated.py): a compiler crash is reported for its variant and the
-others go on.
+others go on. A compile takes minutes at the configs' sizes: each one is logged to stderr as
+it starts and with its seconds as it ends; stdout is the report alone (`> plan.txt`).
 
 Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input,
 3 the compiler crashed on some variant (and the rest fit).

@@ -15,6 +15,8 @@ live at the peak, all the TPU compiler checks. A slice whose parameters and
 optimizer state alone exceed HBM is skipped without compiling. Memory only: each candidate is
 the real train step compiled for that slice (compile.compile_step, estimate=False), in a child
 process (plan/isolated.py): a candidate on which the compiler crashes is reported and skipped.
+Each candidate is logged to stderr as its compile starts and with its bytes and seconds as it
+ends; stdout is the table alone.
 """
 from __future__ import annotations
 
