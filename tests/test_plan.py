@@ -2,11 +2,13 @@
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from delta_jax.config import RESIDUALS
 from delta_jax.plan import knobs, report, topology
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.compile import StepPlan
@@ -64,17 +66,44 @@ def test_fits_on_synthetic_numbers():
     assert report.mfu(_plan(estimated_step_s=None), 1e9) is None
 
 
+def unwrapped(text: str) -> str:
+    """`text` with its line breaks and indents as single spaces: the report wraps at 100."""
+    return " ".join(text.split())
+
+
 def test_the_verdict_names_its_count_and_what_the_compiler_accepts():
-    over_by_total = report.describe(_plan(live_peak_bytes=80), 90, None)
+    over_by_total = unwrapped(report.describe(_plan(live_peak_bytes=80), 90, None))
     assert ("does NOT fit by the total" in over_by_total
             and "the compiler accepts it" in over_by_total and "--fit-by live" in over_by_total)
-    assert "fits by the live peak" in report.describe(_plan(live_peak_bytes=80), 90, None,
-                                                      by="live")
-    refused = report.describe(_plan(live_peak_bytes=200, oom="RESOURCE_EXHAUSTED"), 90, None,
-                              by="live")
+    assert "fits by the live peak" in unwrapped(report.describe(_plan(live_peak_bytes=80), 90, None,
+                                                             by="live"))
+    refused = unwrapped(report.describe(_plan(live_peak_bytes=200, oom="RESOURCE_EXHAUSTED"), 90,
+                                     None, by="live"))
     assert "the compiler refused it" in refused
     table = report.variants_table([_plan(live_peak_bytes=80)], 90, by="live")
     assert "fits (live)" in table and "yes" in table
+
+
+@pytest.mark.parametrize("chip, limit_gib, aside", [
+    ("v5p", 95.74, "more than the spec's figure, which is rounded down"),
+    ("v5e", 15.75, "the runtime keeps the rest")])
+def test_the_header_names_each_memory_figure_without_contradiction(chip, limit_gib, aside):
+    """The chip's HBM by its spec and the compiler's limit for a program are two figures, named
+    as such; where the limit is above the spec (v5p's 95 is rounded), the header says so rather
+    than calling the limit a part of the spec's HBM."""
+    from types import SimpleNamespace
+
+    from delta_jax.plan.chips import CHIPS
+
+    devices = tuple(SimpleNamespace(device_kind="TPU", coords=(i, 0, 0)) for i in range(4))
+    tpu = topology.Topology(f"{chip}:2x2", devices, CHIPS[chip])
+    tpu.__dict__["compiler_hbm_per_device"] = int(limit_gib * 2**30)  # as libtpu names it
+    spec_gib = CHIPS[chip].hbm_bytes / 2**30
+    assert tpu.memory() == (f"HBM {spec_gib:g} GiB by the chip's spec; the compiler's limit for "
+                            f"a program {limit_gib:.2f} GiB (libtpu's figure; {aside})")
+    assert (limit_gib > spec_gib) == (chip == "v5p")
+    assert tpu.judged_against() == f"the compiler's limit, {limit_gib:.2f} GiB"
+    assert "of it" not in tpu.memory()
 
 
 def test_grad_accum_alternatives_keep_microbatches_splittable():
@@ -114,8 +143,31 @@ def test_cpu_topology_compiles_and_reports(tmp_path, capsys):
     assert row["total_bytes"] >= row["temp_bytes"] > 0 and row["params_bytes"] > 0
     assert row["fits"] is None  # no HBM figure for a CPU unless --hbm-gib
     assert row["routing_floor"]["num_slots"] == 2  # the config's delta_block, two blocks
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
     assert "not judged" in text and "routing floor" in text
+    assert text.splitlines()[1] == ("  fit judged against nothing: no memory figure for a CPU "
+                                    "(--hbm-gib gives one)")
+    started = "delta_block (variant 1 of 1): compiling the train step (memory)"
+    assert f"{started} ..." in err and f"{started}: done in " in err and "compiling" not in text
+
+
+@pytest.mark.slow  # two processes start jax (the planner and its compiling child): ~1 minute
+def test_progress_goes_to_stderr_and_the_report_to_stdout():
+    """A real process, as `> plan.txt` runs it: each compile says on stderr what it compiles
+    and, as it ends, its seconds; stdout holds the report alone."""
+    done = subprocess.run(
+        [sys.executable, "-m", "delta_jax.plan", *CONFIG, "--topology", "cpu:8",
+         "--variants", "delta", *TINY], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for what in ("compiling the train step (memory)",
+                 "compiling the cost twin (layers unrolled: FLOPs, time)"):
+        line = re.escape(f"delta (variant 1 of 1): {what}")
+        assert re.search(rf"INFO delta_jax.plan: {line} \.\.\.$", done.stderr, re.M), (
+            what, done.stderr)
+        assert re.search(rf"{line}: done in \d+\.\d s$", done.stderr, re.M), (what, done.stderr)
+    assert re.search(r"planned 1 variant\(s\) in \d+\.\d s$", done.stderr, re.M)
+    assert "compiling" not in done.stdout and "done in" not in done.stdout
+    assert done.stdout.startswith("topology cpu:8") and "compile time" in done.stdout
 
 
 def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
@@ -128,8 +180,63 @@ def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
     changes = [alt["change"] for alt in row["alternatives"]]
     assert changes == ["model.remat=full"]  # 8 rows over 8 devices: no room to accumulate
     assert all(alt["total_bytes"] > 0 for alt in row["alternatives"])
-    text = capsys.readouterr().out
-    assert "does NOT fit" in text and "alternatives" in text
+    out, err = capsys.readouterr()
+    assert "does NOT fit" in out and "alternatives" in out
+    assert out.splitlines()[1] == "  fit judged against --hbm-gib, 0.00 GiB"  # no CPU figures
+    label = "delta_block, alternative 1 of 1 (model.remat=full): compiling the train step (memory)"
+    assert f"{label} ..." in err and f"{label}: done in " in err
+    assert "cost twin" not in err  # --no-estimate: memory only
+
+
+class _Synthetic:
+    """In place of the compiling child process: a large StepPlan for each variant, nothing
+    compiled (--no-estimate: the step alone)."""
+
+    def __init__(self, function):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def __call__(self, run, *args):
+        gib = 2**30
+        size = 1 + list(RESIDUALS).index(run.model.residual)
+        return _plan(variant=run.model.residual, total_bytes=123 * size * gib,
+                     live_peak_bytes=99 * size * gib, bytes_accessed=12345.6 * size * gib,
+                     estimated_step_s=12.3456 * size, flops=1e15, compile_s=1234.0)
+
+
+def test_the_default_tables_fit_100_columns_and_wide_prints_every_column(
+        tmp_path, monkeypatch, capsys):
+    import delta_jax.plan.__main__ as planner
+
+    monkeypatch.setattr(planner, "Worker", _Synthetic)
+    out = tmp_path / "plan.json"
+    args = [*CONFIG, "--topology", "cpu:8", "--variants", "all", "--hbm-gib", "400",
+            "--no-estimate", "--no-suggest", "--json", str(out), *TINY]
+    assert main(args) == 1  # the later variants are over 400 GiB
+    default = capsys.readouterr().out
+    assert max(len(line) for line in default.splitlines()) <= 100, default
+    assert "est. tokens/s" in default and "floor+cot." in default
+    for column in ("bytes accessed GiB", "compile s", "live floor GiB"):
+        assert column not in default
+    rows = json.loads(out.read_text())
+    assert all(row["bytes_accessed"] > 0 and row["compile_s"] == 1234.0 for row in rows)
+
+    assert main([*args, "--wide"]) == 1
+    wide = capsys.readouterr().out
+    headers = [re.split(r"\s{2,}", line) for line in wide.splitlines()
+               if line.startswith("variant ")]
+    assert headers[0] == ["variant", "HBM/device GiB", "live at peak GiB", "fits",
+                          "est. step s", "bytes accessed GiB", "est. tokens/s", "compile s"]
+    for column in ("HBM floor GiB", "peak in backward: floor GiB", "live floor GiB",
+                   "peak in backward: live floor GiB", "bytes floor GiB"):
+        assert column in wide
+    assert max(len(line) for line in wide.splitlines()) > 150
+    assert json.loads(out.read_text()) == rows  # the JSON is whole either way
 
 
 @needs_libtpu
@@ -147,7 +254,14 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
             assert row[key] > 0, key
         # The live peak counts the arguments (the state) it holds at once.
         assert row["live_peak_bytes"] >= row["params_bytes"] + row["opt_state_bytes"]
-    text = capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.splitlines()[:4] == [
+        "topology v5p:2x2x1 (4 x TPU v5); config configs/220m.yaml",
+        "  per device: HBM 95 GiB by the chip's spec; the compiler's limit for a program 95.74 "
+        "GiB (libtpu's",
+        "      figure; more than the spec's figure, which is rounded down)",
+        "  fit judged against the compiler's limit, 95.74 GiB"]
+    text = unwrapped(out)
     assert "cost model (not measured)" in text and "delta" in text and "(1.00x)" in text
     assert "live at the peak" in text
     assert rows[0]["routing_floor"] is None and rows[1]["routing_floor"]["slot_reads"] == 7
@@ -259,7 +373,7 @@ def test_bad_override_and_variant_exit_2(capsys):
 
 
 @needs_libtpu
-def test_where_finds_the_smallest_slice(tmp_path):
+def test_where_finds_the_smallest_slice(tmp_path, capsys):
     from delta_jax.plan import where
 
     out = tmp_path / "where.json"
@@ -268,6 +382,12 @@ def test_where_finds_the_smallest_slice(tmp_path):
     (row,) = json.loads(out.read_text())
     assert (row["slice"], row["remat"], row["grad_accum"]) == ("1x1", "none", 1)
     assert 0 < row["hbm_bytes"] <= row["hbm_per_device"]
+    # progress on stderr: each candidate as its compile starts, and what it holds as it ends
+    label = "v5e:1x1 remat=none grad_accum=1 mesh=data1/fsdp1/tensor1 (candidate 1 of 6)"
+    err = capsys.readouterr().err
+    assert f"{label}: compiling the train step (memory) ..." in err
+    assert re.search(rf"{re.escape(label)}: [0-9.]+ GiB \(live at the peak [0-9.]+\) of "
+                     r"15\.75, done in \d+\.\d s", err), err
 
 
 @needs_libtpu
@@ -344,7 +464,10 @@ def test_where_judges_by_the_count_asked_for():
     by_live = where.smallest_fit(run, "v5e", compile_memory, by="live")
     assert (by_live["slice"], by_live["remat"], by_live["fit_by"]) == ("1x1", "none", "live")
     assert by_live["hbm_per_device"] == int(15.75 * 2**30)
-    assert "15.00" in where.table([{"config": "220m", **by_live}], markdown=False)
+    table = where.table([{"config": "220m", **by_live}], markdown=False)
+    assert "15.00" in table and max(len(line) for line in table.splitlines()) <= 100
+    wide = where.table([{"config": "220m", **by_live}], markdown=False, wide=True)
+    assert wide.splitlines()[0].split("  ")[-1] == "compiler's limit GiB" and "v5e  " in wide
 
 
 def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
@@ -378,7 +501,7 @@ def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
     assert delta == {"topology": "cpu:8", "num_slices": 1, "variant": "delta", "fits": None,
                      "compiler_crash": "the compiling process was killed by SIGSEGV"}
     assert "delta: not planned, the compiler crashed (the compiling process was killed by " \
-        "SIGSEGV)" in capsys.readouterr().out
+        "SIGSEGV)" in unwrapped(capsys.readouterr().out)
 
 
 @needs_libtpu

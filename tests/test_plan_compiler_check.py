@@ -90,7 +90,12 @@ def test_the_planner_judges_by_the_limit_the_compiler_names(name):
     assert topology.compiler_hbm_per_device == int(limit * GiB)
     assert topology.chip_hbm_per_device == chip * GiB
     assert topology.hbm_per_device == topology.compiler_hbm_per_device
-    assert f"{limit:.2f} GiB of it for a program" in topology.describe()
+    # Both figures under their names, and the one the fit is judged against
+    memory = topology.memory()
+    assert memory.startswith(f"HBM {chip} GiB by the chip's spec; the compiler's limit for a "
+                             f"program {limit:.2f} GiB (libtpu's figure; ")
+    assert ("rounded down" in memory) == (limit > chip)  # v5p's alone
+    assert topology.judged_against() == f"the compiler's limit, {limit:.2f} GiB"
 
 
 def test_both_refusal_messages_are_read():

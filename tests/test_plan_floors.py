@@ -82,7 +82,7 @@ def test_floors_table_adds_the_floor_to_the_baseline():
     floor = routing_floor(_config("delta", num_layers=3), 4096, 1024)
     plans = [_plan("baseline", 10 * gib, 100.0 * gib, live=8 * gib),
              _plan("delta", 14 * gib, 140.0 * gib, live=12 * gib)]
-    table = report.floors_table(plans, [None, floor])
+    table = report.floors_table(plans, [None, floor], wide=True)
     hbm_floor = (10 * gib + floor.buffer_bytes) / gib
     backward_floor = hbm_floor + floor.cotangent_bytes / gib
     live_floor = (8 * gib + floor.buffer_bytes) / gib
@@ -99,5 +99,11 @@ def test_floors_table_adds_the_floor_to_the_baseline():
     assert f"{live_floor:.2f}" == "9.86" and f"{live_backward_floor:.2f}" == "11.61"
     assert f"{live_floor:.2f} ({live_floor / 8:.2f}x)" in row
     assert f"{live_backward_floor:.2f} ({live_backward_floor / 8:.2f}x)" in row
+    # By default the live counts are left to --wide
+    (narrow,) = [line for line in report.floors_table(plans, [None, floor]).splitlines()
+                 if line.startswith("delta")]
+    assert narrow.split() == [word for word in row.split() if word not in (
+        "12.00", "(1.50x)", f"{live_floor:.2f}", f"({live_floor / 8:.2f}x)",
+        f"{live_backward_floor:.2f}", f"({live_backward_floor / 8:.2f}x)")]
     assert report.floors_table(plans[1:], [floor]) is None  # no baseline to add it to
     assert report.floors_table(plans[:1], [None]) is None  # no routing variant

@@ -14,6 +14,7 @@ from delta_jax.plan import gpus
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.chips import CHIPS
 from delta_jax.sharding import make_hybrid_mesh
+from tests.test_plan import unwrapped
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8",
@@ -86,7 +87,9 @@ def test_gpu_nodes_are_compile_only_devices_one_host_a_node():
     h200 = resolve("h200:1x8")
     assert h200.devices[0].device_kind == "NVIDIA H200 141GB HBM3e"
     assert h200.hbm_per_device == 151_397_597_184
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in h200.describe()
+    assert h200.memory().startswith("memory 141.00 GiB as the GPU reports it")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in h200.memory()
+    assert h200.judged_against() == "the GPU's memory, 141.00 GiB"
 
 
 @needs_gpu_compiler
@@ -104,7 +107,7 @@ def test_h100_node_plans_memory_and_a_labelled_roofline_estimate(tmp_path, capsy
         roofline = max(row["flops"] / 989e12, row["bytes_accessed"] / 3.35e12)
         assert row["estimated_step_s"] == pytest.approx(roofline) and roofline > 0
         assert row["estimated_tokens_per_s"] > 0 and 0 < row["estimated_mfu"] < 1
-    text = capsys.readouterr().out
+    text = unwrapped(capsys.readouterr().out)
     assert "estimated by a roofline over XLA's cost analysis" in text
     assert "(not measured)" in text and "(an estimate)" in text and "of 79.11 GiB" in text
 
@@ -130,7 +133,7 @@ def test_an_over_budget_step_compiles_and_is_judged_by_the_planner(tmp_path, cap
                  "--no-suggest", "--json", str(out), *TINY]) == 1
     (row,) = json.loads(out.read_text())
     assert row["fits"] is False and row["oom"] is None and row["total_bytes"] > 0.0001 * 2**30
-    assert "does NOT fit by the total" in capsys.readouterr().out
+    assert "does NOT fit by the total" in unwrapped(capsys.readouterr().out)
 
 
 @needs_gpu_compiler

@@ -1,7 +1,7 @@
 """python -m delta_jax.plan: will this run fit on that slice, and how fast would it be?
 
     python -m delta_jax.plan --config configs/8b.yaml --topology v5p:4x4x4 \
-        [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--json OUT] \
+        [--num-slices K] [--variants all|baseline,delta,...] [--markdown] [--wide] [--json OUT] \
         [--hbm-gib X] [--fit-by total|live] [--peak-tflops X] [--no-suggest] \
         [section.key=value ...]
 
@@ -18,7 +18,8 @@ peak, all the TPU compiler checks); XLA's FLOPs, bytes accessed and the step tim
 is compiled again with each knob turned one notch (remat, grad_accum, all-fsdp, the loss's
 vocabulary chunks, delta's rebuilt states) to show which helps and by how much. Each compile
 runs in a child process (plan/isolated.py): a compiler crash is reported for its variant and
-the others go on.
+the others go on. A compile takes minutes at the configs' sizes: each one is logged to stderr
+as it starts and with its seconds as it ends; stdout is the report alone (`> plan.txt`).
 
 Exit status: 0 all fit (or nothing to judge by), 1 some variant does not fit, 2 bad input,
 3 the compiler crashed on some variant (and the rest fit).
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,16 @@ from typing import Any
 # host without a TPU) said.
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+from delta_jax.cli import setup_logging  # noqa: E402
 from delta_jax.config import RESIDUALS  # noqa: E402
-from delta_jax.plan import knobs, report  # noqa: E402
-from delta_jax.plan.compile import StepPlan, compile_named, mesh_sizes, with_variant  # noqa: E402
+from delta_jax.plan import knobs, progress, report  # noqa: E402
+from delta_jax.plan.compile import (  # noqa: E402
+    StepPlan,
+    compile_named,
+    cost_named,
+    mesh_sizes,
+    with_variant,
+)
 from delta_jax.plan.floors import floor_for_plan  # noqa: E402
 from delta_jax.plan.isolated import CompilerCrash, Worker  # noqa: E402
 from delta_jax.plan.topology import PlanError, Topology, resolve  # noqa: E402
@@ -79,6 +88,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-suggest", action="store_true",
                    help="do not compile alternatives for a run that does not fit")
     p.add_argument("--markdown", action="store_true", help="print the variants table as Markdown")
+    p.add_argument("--wide", action="store_true",
+                   help="the tables with every column under its long name (about 160 columns; "
+                        "by default they fit in 100, the rarer columns left out)")
     p.add_argument("--json", type=Path, help="write every compiled plan here (a JSON list)")
     p.add_argument("overrides", nargs="*", help="section.key=value, as for the trainer")
     return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
@@ -95,13 +107,27 @@ def variant_names(text: str | None, default: str) -> list[str]:
     return sorted(names, key=lambda n: n != "baseline")
 
 
+def compile_plan(compile_: Worker, run: RunConfig, topology: Topology, estimate: bool,
+                 label: str) -> StepPlan:
+    """run's step compiled in compile_'s child process: the step itself, then with `estimate`
+    its cost twin (compile.py), each logged with its seconds under `label`."""
+    with progress.timed(f"{label}: compiling the train step (memory)"):
+        plan = compile_(run, topology.name, topology.num_slices, False)
+    if not estimate or plan.oom is not None:
+        return plan
+    with progress.timed(f"{label}: compiling the cost twin (layers unrolled: FLOPs, time)"):
+        return compile_.call(cost_named, run, topology.name, topology.num_slices, plan)
+
+
 def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
             peak: float | None, compile_: Worker, by: str = "total") -> list[dict[str, Any]]:
     """Compile each one-notch alternative to `run`; print and return how each does."""
     rows, out = [], []  # memory only: the question is whether it fits
-    for change, alt_run in knobs.alternatives(run, plan.mesh):
+    alternatives = knobs.alternatives(run, plan.mesh)
+    for number, (change, alt_run) in enumerate(alternatives, 1):
+        label = f"{plan.variant}, alternative {number} of {len(alternatives)} ({change})"
         try:
-            alt = compile_(alt_run, topology.name, topology.num_slices, False)
+            alt = compile_plan(compile_, alt_run, topology, False, label)
         except CompilerCrash as crash:
             rows.append([change, f"compiler crashed: {crash}", "", "-"])
             out.append({"change": change, "compiler_crash": str(crash)})
@@ -120,6 +146,17 @@ def suggest(run: RunConfig, plan: StepPlan, topology: Topology, hbm: int | None,
     return out
 
 
+def header(topology: Topology, config: str, hbm_gib: float | None) -> str:
+    """The report's first lines: the topology, a device's memory figures (each named for what
+    it is) and the one a step's fit is judged against."""
+    judged = (f"--hbm-gib, {hbm_gib:.2f} GiB" if hbm_gib is not None
+              else topology.judged_against())
+    memory = topology.memory()
+    return "\n".join([f"topology {topology.describe()}; config {config}",
+                      *([report.wrap(f"  per device: {memory}")] if memory else []),
+                      f"  fit judged against {judged}"])
+
+
 def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The command; returns what --json writes. Raises PlanError/ValueError on bad input."""
     args = parse_args(argv)
@@ -130,19 +167,20 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     peak = (args.peak_tflops * 1e12 if args.peak_tflops is not None
             else topology.peak_flops_per_device
             or (base.train.peak_tflops and base.train.peak_tflops * 1e12))
-    print(f"topology {topology.describe()}; config {args.config}")
+    print(header(topology, args.config, args.hbm_gib))
     results, plans, floors = [], [], []
+    variants, start = variant_names(args.variants, base.model.residual), time.perf_counter()
     with Worker(compile_named) as compile_:
-        for variant in variant_names(args.variants, base.model.residual):
+        for number, variant in enumerate(variants, 1):
             run = RunConfig(**{**vars(base), "model": with_variant(base.model, variant)})
             entry = {"topology": topology.name, "num_slices": topology.num_slices}
             try:
-                step_plan = compile_(run, topology.name, topology.num_slices,
-                                     not args.no_estimate)
+                step_plan = compile_plan(compile_, run, topology, not args.no_estimate,
+                                         f"{variant} (variant {number} of {len(variants)})")
             except CompilerCrash as crash:
-                print(f"{variant}: not planned, the compiler crashed ({crash}); the same step "
-                      "may compile with other settings (remat, grad_accum, "
-                      "train.loss_vocab_chunks)", flush=True)
+                print(report.wrap(f"{variant}: not planned, the compiler crashed ({crash}); "
+                                  "the same step may compile with other settings (remat, "
+                                  "grad_accum, train.loss_vocab_chunks)"), flush=True)
                 results.append({**entry, "variant": variant, "fits": None,
                                 "compiler_crash": str(crash)})
                 continue
@@ -157,21 +195,36 @@ def plan(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 entry["alternatives"] = suggest(run, step_plan, topology, hbm, peak, compile_,
                                                 args.fit_by)
             results.append(entry)
-    if len(plans) > 1 or (plans and args.markdown):
-        print()
-        print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by))
-    floor_table = report.floors_table(plans, floors, markdown=args.markdown)
-    if floor_table is not None:
-        print("\nrouting against its floor (the baseline plus what no form of routing avoids; "
-              "delta_jax/plan/floors.py):")
-        print(floor_table)
+    progress.logger.info("planned %d variant(s) in %.1f s", len(variants),
+                         time.perf_counter() - start)
+    print_tables(plans, floors, hbm, args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
     return results
 
 
+def print_tables(plans: list[StepPlan], floors: list, hbm: int | None,
+                 args: argparse.Namespace) -> None:
+    """The variants side by side, and the routing variants against their floors (floors.py),
+    each after a key to its short column names unless --wide."""
+    if len(plans) > 1 or (plans and args.markdown):
+        print()
+        if not args.wide:
+            print(report.wrap(report.VARIANTS_KEY))
+        print(report.variants_table(plans, hbm, markdown=args.markdown, by=args.fit_by,
+                                    wide=args.wide))
+    floor_table = report.floors_table(plans, floors, markdown=args.markdown, wide=args.wide)
+    if floor_table is not None:
+        print()
+        print(report.wrap("routing against its floor (the baseline plus what no form of routing "
+                          "avoids; delta_jax/plan/floors.py)"
+                          + ("" if args.wide else f"; {report.FLOORS_KEY}") + ":"))
+        print(floor_table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
     try:
         results = plan(argv)
     except (PlanError, ValueError, FileNotFoundError) as err:

@@ -3,12 +3,18 @@ the GPUs, whose step is estimated by a roofline: compile.py).
 
 Public figures (cloud.google.com/tpu/docs/<version>, "key specifications"): v2 16 GiB and
 45 TFLOP/s; v3 32 GiB, 123; v4 32 GiB, 275; v5e 16 GB, 197; v5p 95 GB, 459; v6e (Trillium)
-32 GB, 918. The pages write GB for the newer chips; the capacities are GiB (a v5p reports about
-95.7 GiB to the runtime), which is what is used here. Dense bf16, no sparsity.
+32 GB, 918. Dense bf16, no sparsity. The pages write GB for the newer chips; the capacities
+are GiB, which is what is used here: the compiler gives one program more than the GB reading
+(v5e 15.75 GiB against 16 GB = 14.9 GiB, v6e 31.25 against 29.8). v5p's 95 is a rounded figure
+in either unit: libtpu 0.0.42.1 gives one program 95.74 GiB (its refusals name "95.74G" of hbm,
+and its compile log sets the rematerialization limit at "95% hbm (90.96G)"), so the chip holds
+more than 95 GiB; how much more no compile-only device says.
 
-What the TPU compiler lets one program hold is less than this (v5e: 15.75 of its 16 GiB); the
-planner reads that limit from the compiler (topology.compiler_limit) and judges by it, falling
-back to these figures only where the compiler names none.
+What the TPU compiler lets one program hold is less than a chip's HBM (v5e: 15.75 of its 16
+GiB; v6e 31.25 of 32; v4 15.25 of a TensorCore's 16), and more than v5p's rounded 95: the
+planner reads that limit from the compiler (topology.compiler_limit), prints it beside the
+spec's figure and judges by it, falling back to these figures only where the compiler names
+none.
 
 A chip may show up as several devices (v2, v3 and v4 topologies have one device per TensorCore,
 two per chip; v5p and v6e one per chip): per-device figures divide by that count.

@@ -199,9 +199,16 @@ def _gpu_cost(compiled, scale: int, run: RunConfig, topology: Topology,
 
 def compile_step(run: RunConfig, topology: Topology, estimate: bool = True) -> StepPlan:
     """Lower and compile run's train step for `topology`; nothing runs. With `estimate`, the
-    cost fields come from compiling cost_twin(run) too; without, they are None."""
+    cost fields come from compiling cost_twin(run) too (with_cost); without, they are None."""
     memory_plan = _compile(run, topology)
-    if not estimate or memory_plan.oom is not None:
+    return with_cost(run, topology, memory_plan) if estimate else memory_plan
+
+
+def with_cost(run: RunConfig, topology: Topology, memory_plan: StepPlan) -> StepPlan:
+    """`memory_plan` (run's compiled step) with the cost fields from compiling cost_twin(run),
+    and that compile's seconds added to compile_s; unchanged where the compiler refused the step
+    or the twin for exceeding HBM."""
+    if memory_plan.oom is not None:
         return memory_plan
     start = time.perf_counter()
     _, compile_twin = _prepare(cost_twin(run), topology)
@@ -230,6 +237,13 @@ def compile_named(run: RunConfig, topology_name: str, num_slices: int = 1,
     """compile_step for the topology called `topology_name`: what a plan/isolated.py Worker
     runs in its child process (a Topology holds devices, which do not pickle)."""
     return compile_step(run, resolved(topology_name, num_slices), estimate)
+
+
+def cost_named(run: RunConfig, topology_name: str, num_slices: int,
+               memory_plan: StepPlan) -> StepPlan:
+    """with_cost for the topology called `topology_name` (in a Worker's child process, as
+    compile_named): the planner compiles the twin as a call of its own to report its time."""
+    return with_cost(run, resolved(topology_name, num_slices), memory_plan)
 
 
 def state_bytes(run: RunConfig, topology: Topology) -> int:

@@ -19,11 +19,12 @@ class CompilerCrash(RuntimeError):
     """The child process died (a signal or an exit) before answering."""
 
 
-def _serve(function: Callable, connection) -> None:
-    """The child's loop: call `function` on each request and send back the result or error."""
+def _serve(connection) -> None:
+    """The child's loop: call each request's function on its arguments and send back the
+    result or error."""
     while True:
         try:
-            args = connection.recv()
+            function, args = connection.recv()
         except EOFError:  # the parent closed its end
             return
         try:
@@ -49,8 +50,9 @@ def _describe_exit(code: int | None) -> str:
 class Worker:
     """`function(*args)` in a spawned child process; the child is kept between calls.
 
-    `function` must be picklable by reference (a module-level function). Its exceptions are
-    re-raised here; a child that dies raises CompilerCrash and is replaced on the next call.
+    `function` must be picklable by reference (a module-level function), as must any other
+    function given to `call`. Their exceptions are re-raised here; a child that dies raises
+    CompilerCrash and is replaced on the next call.
     """
 
     def __init__(self, function: Callable):
@@ -61,17 +63,20 @@ class Worker:
 
     def _start(self) -> None:
         parent, child = self._context.Pipe()
-        self._process = self._context.Process(target=_serve, args=(self._function, child),
-                                              daemon=True)
+        self._process = self._context.Process(target=_serve, args=(child,), daemon=True)
         self._process.start()
         child.close()
         self._connection = parent
 
     def __call__(self, *args) -> Any:
+        return self.call(self._function, *args)
+
+    def call(self, function: Callable, *args) -> Any:
+        """`function(*args)` in the same child (jax started once for both functions)."""
         if self._process is None or not self._process.is_alive():
             self._start()
         try:
-            self._connection.send(args)
+            self._connection.send((function, args))
             kind, value = self._connection.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self._process.join()

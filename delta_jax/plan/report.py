@@ -20,6 +20,7 @@ follow from it and the chip's peak FLOP/s.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ from delta_jax.plan.compile import XLA_COST_MODEL, StepPlan
 from delta_jax.plan.floors import RoutingFloor
 
 GiB = 2**30
+# The columns the default output fits in: its lines wrap, its tables leave the rarer columns to
+# --wide, which prints them all under their long names.
+WIDTH = 100
 
 
 FIT_COUNTS = ("total", "live")
@@ -137,7 +141,18 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
             f"the layers' backward pass); reading it at least {_gib(floor.traffic_bytes)} a "
             f"step ({floor.passes} passes over {floor.slot_reads} site-slot pairs)")
     lines.append(f"  compile time {plan.compile_s:.1f} s")
-    return "\n".join(lines)
+    return wrap("\n".join(lines))
+
+
+def wrap(text: str, width: int = WIDTH) -> str:
+    """Each line of `text` longer than `width` broken between words, its continuations
+    indented four spaces more than it."""
+    out = []
+    for line in text.splitlines():
+        indent = line[:len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line, width, subsequent_indent=indent + "    ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)
 
 
 def _baseline(plans: Sequence[StepPlan]) -> StepPlan | None:
@@ -149,9 +164,24 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "" if value is None or not base else f" ({value / base:.2f}x)"
 
 
+# The default tables' columns, {long name (--wide): short name}; the others are --wide's alone.
+VARIANT_COLUMNS = {"variant": "variant", "HBM/device GiB": "HBM GiB",
+                   "live at peak GiB": "live GiB", "fits": "fits", "fits (live)": "fits (live)",
+                   "est. step s": "est. step s", "est. tokens/s": "est. tokens/s"}
+VARIANTS_KEY = ("per device: HBM, memory_analysis's total (an upper bound); live, the bytes live "
+                "at the peak; est., estimates, not measurements; (x), to the baseline:")
+FLOOR_COLUMNS = {"variant": "variant", "HBM/device GiB": "HBM GiB", "HBM floor GiB": "floor",
+                 "peak in backward: floor GiB": "floor+cot.",
+                 "bytes accessed GiB": "accessed GiB", "bytes floor GiB": "floor"}
+FLOORS_KEY = ("floor, the baseline's plus the source buffer; floor+cot., plus its cotangent "
+              "too, where the step peaks in the layers' backward pass; accessed, the bytes a "
+              "step reads and writes (--wide adds the live counts)")
+
+
 def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = False,
-                   by: str = "total") -> str:
-    """One row per plan, ratios to the baseline among them (compiled in the same process)."""
+                   by: str = "total", wide: bool = False) -> str:
+    """One row per plan, ratios to the baseline among them (compiled in the same process);
+    VARIANT_COLUMNS unless `wide`."""
     base = _baseline(plans)
     header = ["variant", "HBM/device GiB", "live at peak GiB",
               "fits" if by == "total" else "fits (live)", "est. step s",
@@ -171,7 +201,17 @@ def variants_table(plans: Sequence[StepPlan], hbm: int | None, markdown: bool = 
             accessed + _ratio(p.bytes_accessed, base and base.bytes_accessed),
             "-" if tps is None else f"{tps:,.0f}",
             f"{p.compile_s:.0f}"])
-    return format_rows(header, rows, markdown)
+    return format_rows(*columns(header, rows, None if wide else VARIANT_COLUMNS), markdown)
+
+
+def columns(header: list[str], rows: list[list[str]], short: dict[str, str] | None
+             ) -> tuple[list[str], list[list[str]]]:
+    """The columns of (header, rows) that `short` names, under its short names; all of them,
+    as they are, where `short` is None."""
+    if short is None:
+        return header, rows
+    keep = [i for i, name in enumerate(header) if name in short]
+    return [short[header[i]] for i in keep], [[row[i] for i in keep] for row in rows]
 
 
 def _live(plan: StepPlan, base: StepPlan | None, extra: int = 0) -> str:
@@ -183,13 +223,13 @@ def _live(plan: StepPlan, base: StepPlan | None, extra: int = 0) -> str:
 
 
 def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None],
-                 markdown: bool = False) -> str | None:
+                 markdown: bool = False, wide: bool = False) -> str | None:
     """The routing variants against their floors, as ratios to the baseline among `plans`:
     HBM against the baseline's plus the buffer, and plus its cotangent too (the floor where the
     step peaks in the layers' backward pass; floors.py), bytes accessed against the baseline's
     plus the floor's traffic. The bytes live at the peak (what the TPU compiler checks) against
-    the baseline's plus the buffer, and plus its cotangent too. None without a baseline or a
-    routing variant."""
+    the baseline's plus the buffer, and plus its cotangent too (those three with `wide` alone:
+    FLOOR_COLUMNS). None without a baseline or a routing variant."""
     base = _baseline(plans)
     pairs = [(p, f) for p, f in zip(plans, floors) if f is not None]
     if base is None or not pairs:
@@ -215,7 +255,7 @@ def floors_table(plans: Sequence[StepPlan], floors: Sequence[RoutingFloor | None
             f"{p.bytes_accessed / GiB:.1f}{_ratio(p.bytes_accessed, base.bytes_accessed)}",
             "-" if bytes_floor is None else
             f"{bytes_floor / GiB:.1f}{_ratio(bytes_floor, base.bytes_accessed)}"])
-    return format_rows(header, rows, markdown)
+    return format_rows(*columns(header, rows, None if wide else FLOOR_COLUMNS), markdown)
 
 
 def format_rows(header: list[str], rows: list[list[str]], markdown: bool) -> str:

@@ -26,6 +26,8 @@ from delta_jax.plan import gpus
 from delta_jax.plan.chips import CHIPS, Chip
 from delta_jax.plan.chips import chip as chip_named
 
+GiB = 2**30
+
 
 class PlanError(ValueError):
     """Bad input to the planner: reported as one line, exit status 2."""
@@ -56,9 +58,10 @@ class Topology:
     @functools.cached_property
     def compiler_hbm_per_device(self) -> int | None:
         """What the TPU compiler lets one program hold per device, by its own message
-        (compiler_limit), below the chip's HBM (v5e: 15.75 of 16 GiB); read when first asked,
-        not by every process that only compiles. None for CPUs and GPUs (the GPU compiler
-        accepts a program of any size), or where no message says it."""
+        (compiler_limit): v5e 15.75 of its 16 GiB; v5p 95.74, more than its spec's rounded 95
+        (chips.py). Read when first asked, not by every process that only compiles. None for
+        CPUs and GPUs (the GPU compiler accepts a program of any size), or where no message
+        says it."""
         return None if self.chip is None or self.is_gpu else compiler_limit(self.devices[0])
 
     @property
@@ -77,19 +80,36 @@ class Topology:
         return None if self.chip is None else self.chip.peak_flops / self.devices_per_chip
 
     def describe(self) -> str:
-        """"v5p:4x4x4 (64 x TPU v5, 95.0 GiB HBM each)"-style summary."""
-        kind = self.devices[0].device_kind
+        """"v5p:4x4x4 (64 x TPU v5)"-style summary."""
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
-        hbm = "" if not self.chip_hbm_per_device else (
-            f", {self.chip_hbm_per_device / 2**30:.1f} GiB HBM each")
-        if self.compiler_hbm_per_device:
-            hbm += (f", {self.compiler_hbm_per_device / 2**30:.2f} GiB of it for a program by the "
-                    "compiler's limit")
-        if self.is_gpu:
-            hbm += (" as the device reports it; jax preallocates 75% of it unless "
-                    "XLA_PYTHON_CLIENT_MEM_FRACTION says more")
-        return f"{self.name}{slices} ({self.num_devices} x {kind}{hbm})"
+        return f"{self.name}{slices} ({self.num_devices} x {self.devices[0].device_kind})"
 
+    def memory(self) -> str:
+        """A device's memory figures, each named for what it is: the chip's HBM by its spec
+        (chips.py), and the compiler's limit for one program where libtpu named one; a GPU's
+        memory as the device reports it. "" for CPUs."""
+        if self.is_gpu:
+            return (f"memory {self.chip_hbm_per_device / GiB:.2f} GiB as the GPU reports it "
+                    "(XLA's device spec); the GPU compiler has no limit of its own. jax "
+                    "preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says more")
+        if self.chip is None:
+            return ""
+        spec = f"HBM {self.chip_hbm_per_device / GiB:g} GiB by the chip's spec"
+        limit = self.compiler_hbm_per_device
+        if limit is None:
+            return spec
+        aside = ("the runtime keeps the rest" if limit <= self.chip_hbm_per_device
+                 else "more than the spec's figure, which is rounded down")
+        return (f"{spec}; the compiler's limit for a program {limit / GiB:.2f} GiB (libtpu's "
+                f"figure; {aside})")
+
+    def judged_against(self) -> str:
+        """Which of memory()'s figures a step's fit is judged against (hbm_per_device)."""
+        if self.hbm_per_device is None:
+            return "nothing: no memory figure for a CPU (--hbm-gib gives one)"
+        what = ("the compiler's limit" if self.compiler_hbm_per_device
+                else "the GPU's memory" if self.is_gpu else "the chip's HBM")
+        return f"{what}, {self.hbm_per_device / GiB:.2f} GiB"
 
 TPUS = [name for name, c in CHIPS.items() if c.gpu_spec is None]
 GPUS = [name for name, c in CHIPS.items() if c.gpu_spec is not None]
