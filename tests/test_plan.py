@@ -268,6 +268,7 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     assert "routing against its floor" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("driver", ["lean"])
 def test_cost_twin_counts_every_layer(driver):
     """The twin (the same driver, loops unrolled) grows by the same FLOPs per added layer pair,
@@ -289,6 +290,7 @@ def test_cost_twin_counts_every_layer(driver):
     assert flops(6, twin=False) < twin[1]  # the loop's body counted once
 
 
+@pytest.mark.slow
 def test_cost_twin_counts_every_vocabulary_chunk_of_the_loss():
     """The chunked loss runs the head's matmul four times a token: the forward logits, and in
     the backward pass the logits recomputed from the saved logsumexp, d hidden and d head
@@ -373,6 +375,7 @@ def test_bad_override_and_variant_exit_2(capsys):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_where_finds_the_smallest_slice(tmp_path, capsys):
     from delta_jax.plan import where
 
@@ -391,6 +394,7 @@ def test_where_finds_the_smallest_slice(tmp_path, capsys):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_multislice_puts_data_across_slices(tmp_path, capsys):
     """The config's sizes are per slice: the shipped one (data 1, fsdp -1) runs on two slices
     unchanged, data 2; sizes that do not fit a slice are one line."""
@@ -505,6 +509,7 @@ def test_a_variant_the_compiler_crashes_on_is_reported_and_the_rest_planned(
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_more_layer_loops_do_not_cost_delta_memory_on_v5p():
     # The lean backward carries the buffer's cotangent and the final buffer on as each next
     # loop's prefix. When it kept the whole cotangent and XLA took every prefix at once, four
