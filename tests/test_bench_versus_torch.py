@@ -3,6 +3,8 @@ frameworks run the same model (same weights, logits within 1e-4) and the same at
 (gradients within 1e-4)."""
 import json
 
+import pytest
+
 from delta_jax.bench.versus_torch import main
 
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
@@ -10,6 +12,7 @@ TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.num_layers=2",
         "model.intermediate_size=64", "train.batch_size=8", "train.seq_len=16"]
 
 
+@pytest.mark.slow
 def test_rows_and_parity(tmp_path, capsys):
     out = tmp_path / "rows.json"
     rows = main(["--steps", "1", "--warmup", "1", "--json", str(out), *TINY])

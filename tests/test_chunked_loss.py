@@ -86,7 +86,7 @@ def _train(mesh, cfg, vocab_chunks, batch):
     return metrics, jax.device_get(state.params)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_sharded_train_step_matches_the_whole_logits(tied):
     """On a (data 2, fsdp 2, tensor 2) mesh, so each chunk of the tensor-sharded head is split
     across devices: the loss, gradient norm and updated parameters of two steps."""

@@ -20,6 +20,7 @@ from numerics import assert_float32_equal
 from reference_forward import reference_forward
 
 VARIANTS = ["baseline", "block", "full", "delta", "delta_block"]
+SLOW = pytest.mark.slow  # the quick suite (make test) keeps one or two cases of a family
 IDS = jax.random.randint(jax.random.key(0), (2, 12), 0, 128)
 
 
@@ -44,7 +45,8 @@ def expected_site_sources(residual: str, num_layers: int, num_blocks: int):
 
 
 @pytest.mark.parametrize("residual", VARIANTS[1:])
-@pytest.mark.parametrize("num_layers,num_blocks", [(4, 2), (5, 2), (6, 4), (3, 8)])
+@pytest.mark.parametrize("num_layers,num_blocks", [
+    (4, 2), *[pytest.param(*geometry, marks=SLOW) for geometry in ((5, 2), (6, 4), (3, 8))]])
 def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
     cfg = tiny(residual=residual, num_layers=num_layers, num_blocks=num_blocks)
     model = init_model(cfg, 1)
@@ -64,14 +66,18 @@ def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
 
 
 @pytest.mark.parametrize("config", [
-    dict(residual="delta_block", block_sources="paper", num_layers=5, num_blocks=2),
+    pytest.param(dict(residual="delta_block", block_sources="paper", num_layers=5, num_blocks=2),
+                 marks=SLOW),
     dict(residual="delta_block", block_sources="reference", num_layers=5, num_blocks=3),
-    dict(residual="delta", null_source=True, routing_gate=True),
-    dict(residual="delta_block", null_source=True, num_layers=6, num_blocks=3),
+    pytest.param(dict(residual="delta", null_source=True, routing_gate=True), marks=SLOW),
+    pytest.param(dict(residual="delta_block", null_source=True, num_layers=6, num_blocks=3),
+                 marks=SLOW),
     dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True),
     dict(residual="full", num_layers=3),
-    dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True, gate_base="stream"),
-    dict(residual="full", num_layers=3, routing_gate=True, gate_base="stream"),
+    pytest.param(dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True,
+                      gate_base="stream"), marks=SLOW),
+    pytest.param(dict(residual="full", num_layers=3, routing_gate=True, gate_base="stream"),
+                 marks=SLOW),
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_scan_matches_literal_spec(config):
     """Configs the golden files do not cover, against a list-based transcription of the spec."""
@@ -125,7 +131,8 @@ def test_routing_statistics_definitions():
     assert np.isnan(stats["max_weight"][0, 0])  # delta's layer-0 attention site is unused
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-6),
+                                             pytest.param(jnp.bfloat16, 1e-2, marks=SLOW)])
 def test_weighted_sum_has_autodiffs_gradient(dtype, tolerance):
     """routing.weighted_sum (a site's mix: the buffer's slots and the sources outside it) keeps
     its cotangent in the buffer's dtype; its value and gradient are autodiff's of the float32
@@ -155,7 +162,8 @@ def test_weighted_sum_has_autodiffs_gradient(dtype, tolerance):
                                mine.astype(jnp.float32)) < tolerance
 
 
-@pytest.mark.parametrize("num_valid", [0, 1, "traced"])
+@pytest.mark.parametrize("num_valid", [pytest.param(0, marks=SLOW), pytest.param(1, marks=SLOW),
+                                       "traced"])
 def test_a_site_over_one_slot_is_the_softmax_over_one_source(num_valid):
     """Over a one-slot buffer (delta_block's first lean loop) a site skips the logit and the
     sum: its mix, weights and gradients are those of the full softmax path over a two-slot
@@ -212,13 +220,10 @@ def _relative_error(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(a.ravel()) + 1e-30))
 
 
-SLOW = pytest.mark.slow  # the quick suite (make test) keeps one or two cases of a family
-
-
 @pytest.mark.parametrize("residual,extra,gate", [
     *[pytest.param(residual, {}, None, marks=SLOW) for residual in ("baseline", "block", "full")],
-    *[(residual, dict(null_source=True, routing_gate=True), None)
-      for residual in ("delta", "delta_block")],
+    pytest.param("delta", dict(null_source=True, routing_gate=True), None, marks=SLOW),
+    ("delta_block", dict(null_source=True, routing_gate=True), None),
     # the residual stream travels in the carry: its cotangent must cross the lean backward too
     *[pytest.param(residual, dict(routing_gate=True, gate_base="stream"), 0.5, marks=SLOW)
       for residual in ("block", "full")],
@@ -247,7 +252,8 @@ def test_gradients_scan_and_lean_equal_unrolled(residual, extra, gate):
                 assert close, (driver, jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("residual", ["delta", pytest.param("full", marks=SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["delta", "full"])
 def test_remat_policies_keep_the_gradient_and_save_the_routed_input(residual, capsys):
     """Every remat policy gives the no-remat gradient (lean and scan drivers); save_dots keeps
     each site's routed sublayer input, so the layer's backward does not read the buffer again
@@ -433,7 +439,8 @@ def test_zero_queries_give_the_baseline_except_delta_block(capsys):
     assert exact["delta_block"] > 1e-1
 
 
-@pytest.mark.parametrize("residual", ["block", pytest.param("full", marks=SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["block", "full"])
 def test_stream_gate_spans_the_baseline_and_attnres(residual):
     """gate_base='stream': every gate at 0 is the plain Qwen3 (the stream is summed in the
     baseline's order; to float32 rounding, being another program), every gate at 1 is the

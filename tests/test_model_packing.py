@@ -61,7 +61,9 @@ def test_documents_batch_fields(packed):
     assert ignored.sum() == sum(len(docs) for docs in rows)
 
 
-@pytest.mark.parametrize("residual", VARIANTS)
+@pytest.mark.parametrize("residual", [
+    r if r in ("full", "delta_block") else pytest.param(r, marks=pytest.mark.slow)
+    for r in VARIANTS])
 def test_packed_logits_are_each_documents_alone(packed, residual):
     rows, batch = packed
     model = init_model(tiny(residual=residual), 1)
@@ -77,7 +79,7 @@ def test_packed_logits_are_each_documents_alone(packed, residual):
             start += len(doc)
 
 
-@pytest.mark.parametrize("residual", ["block", "delta_block"])
+@pytest.mark.parametrize("residual", [pytest.param("block", marks=pytest.mark.slow), "delta_block"])
 def test_drivers_agree_on_packed_gradients(packed, residual):
     """scan, lean (its own backward pass) and unrolled carry the segment ids alike."""
     _, batch = packed
@@ -98,7 +100,8 @@ def test_drivers_agree_on_packed_gradients(packed, residual):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_accum,vocab_chunks", [(1, 1), (2, 1), (2, 4)])
+@pytest.mark.parametrize("grad_accum,vocab_chunks", [(1, 1), (2, 1),
+                                                     pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum, vocab_chunks):
     """The train step's loss (before its update) and the eval step's sum and count: the EOS
     labels left out, every other token weighs the same, whichever microbatch holds it; also

@@ -170,6 +170,7 @@ def test_progress_goes_to_stderr_and_the_report_to_stdout():
     assert done.stdout.startswith("topology cpu:8") and "compile time" in done.stdout
 
 
+@pytest.mark.slow
 def test_does_not_fit_names_the_knobs_that_help(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main([*CONFIG, "--topology", "cpu:8", "--hbm-gib", "0.0001", "--no-estimate",
@@ -316,6 +317,7 @@ def test_cost_twin_counts_every_vocabulary_chunk_of_the_loss():
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_tiny_model_over_a_small_hbm_override_does_not_fit(tmp_path):
     out = tmp_path / "plan.json"
     assert main([*CONFIG, "--topology", "v5p:2x2x1", "--hbm-gib", "0.001", "--no-estimate",

@@ -132,6 +132,7 @@ def test_resume_is_bitwise(straight, interrupted, data_dir):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_resume_onto_another_mesh(straight, interrupted, data_dir):
     _, copy = interrupted
     # The restored state is bitwise the saved one, laid out on the new mesh.
@@ -242,6 +243,7 @@ def test_fine_tuning_starts_from_a_model_checkpoint(data_dir, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_fine_tuning_a_preserving_conversion_starts_at_the_plain_loss(data_dir, tmp_path):
     """Qwen3 -> block (gated against the residual stream) -> trainer: the first loss is the
     plain model's (to float32 rounding: another program); then the gates open and the two
