@@ -73,7 +73,7 @@ def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
     pytest.param(dict(residual="delta_block", null_source=True, num_layers=6, num_blocks=3),
                  marks=SLOW),
     dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True),
-    dict(residual="full", num_layers=3),
+    pytest.param(dict(residual="full", num_layers=3), marks=SLOW),
     pytest.param(dict(residual="block", num_layers=5, num_blocks=3, routing_gate=True,
                       gate_base="stream"), marks=SLOW),
     pytest.param(dict(residual="full", num_layers=3, routing_gate=True, gate_base="stream"),
@@ -339,7 +339,7 @@ def test_layers_known_to_start_no_block_skip_their_write(residual):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(layer_loops=2),
+    pytest.param(dict(layer_loops=2), marks=SLOW),  # delta_block's gradient test hoists too
     pytest.param(dict(layer_loops=3, remat="save_dots", unroll_layers=True), marks=SLOW),
     pytest.param(dict(layer_loops=2, block_sources="paper", null_source=True, routing_gate=True),
                  marks=SLOW),
@@ -423,6 +423,7 @@ def _zero_query_differences(**config):
     return differences
 
 
+@pytest.mark.slow
 def test_zero_queries_give_the_baseline_except_delta_block(capsys):
     """Uniform weights route the mean of sources that sum to the baseline's residual state, and
     the next RMSNorm removes the 1/N: exact up to RMSNorm's eps, which then acts as N^2 eps.

@@ -115,7 +115,8 @@ def model_loss_and_grads(cfg, ids, params_from):
 
 @pytest.mark.parametrize("residual,runtime", [
     ("baseline", {}), ("delta", {}),
-    ("delta_block", dict(remat="save_dots", layer_driver="scan")),  # the kernel under remat
+    pytest.param("delta_block", dict(remat="save_dots", layer_driver="scan"),  # under remat
+                 marks=pytest.mark.slow),
 ], ids=["baseline", "delta", "delta_block-remat"])
 def test_model_with_splash_matches_xla(residual, runtime):
     cfg = ModelConfig.tiny(init_std=0.2, residual=residual, **runtime)
@@ -128,6 +129,7 @@ def test_model_with_splash_matches_xla(residual, runtime):
     assert_close_tree(grads, grads_x, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_decoding_keeps_the_xla_path():
     """A splash model decodes at any length: the cached path never calls the kernel."""
     cfg = ModelConfig.tiny(init_std=0.2, residual="delta")

@@ -79,7 +79,8 @@ def test_packed_logits_are_each_documents_alone(packed, residual):
             start += len(doc)
 
 
-@pytest.mark.parametrize("residual", [pytest.param("block", marks=pytest.mark.slow), "delta_block"])
+@pytest.mark.slow
+@pytest.mark.parametrize("residual", ["block", "delta_block"])
 def test_drivers_agree_on_packed_gradients(packed, residual):
     """scan, lean (its own backward pass) and unrolled carry the segment ids alike."""
     _, batch = packed
@@ -100,8 +101,8 @@ def test_drivers_agree_on_packed_gradients(packed, residual):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_accum,vocab_chunks", [(1, 1), (2, 1),
-                                                     pytest.param(2, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("grad_accum,vocab_chunks", [
+    pytest.param(1, 1, marks=pytest.mark.slow), (2, 1), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum, vocab_chunks):
     """The train step's loss (before its update) and the eval step's sum and count: the EOS
     labels left out, every other token weighs the same, whichever microbatch holds it; also
