@@ -74,9 +74,16 @@ def load_tokenizer(path: str | Path, tokenizer: str | None = None) -> Tokenizer 
     for folder in (path, path / TOKENIZER_DIR, path / "checkpoints" / TOKENIZER_DIR):
         if tokenizer is None and (folder / "tokenizer.json").is_file():
             tokenizer = str(folder)
-    if tokenizer is None and (run := run_config(path)) is not None:
-        tokenizer = data_tokenizer((run.get("data") or {}).get("path", EMBEDDED))
+    if tokenizer is None:
+        tokenizer = run_data_tokenizer(path)
     return get_tokenizer(tokenizer) if tokenizer is not None else None
+
+
+def run_data_tokenizer(path: str | Path) -> str | None:
+    """The tokenizer spec the training run of `path` (a run folder or its checkpoint directory)
+    tokenised its data with; None without a run or when it cannot be told."""
+    run = run_config(path)
+    return data_tokenizer((run.get("data") or {}).get("path", EMBEDDED)) if run else None
 
 
 def run_config(path: str | Path) -> dict | None:

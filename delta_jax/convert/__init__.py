@@ -17,11 +17,10 @@ from typing import Any
 from jax.sharding import Mesh
 
 from delta_jax.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
-from delta_jax.data.corpus import EMBEDDED
 from delta_jax.hf.keymap import ConversionError
 from delta_jax.hf.load import TOKENIZER_FILES, load_pretrained
 from delta_jax.hf.save import save_pretrained
-from delta_jax.loading import data_tokenizer, run_config
+from delta_jax.loading import run_data_tokenizer
 from delta_jax.model import CausalLM
 
 
@@ -61,5 +60,4 @@ def _tokenizer_of(checkpoint: Path) -> str | Path | None:
     training run's data was tokenised with (a trainer run's config.yaml beside it)."""
     if (checkpoint / TOKENIZER_DIR).is_dir():
         return checkpoint / TOKENIZER_DIR
-    run = run_config(checkpoint)
-    return data_tokenizer((run.get("data") or {}).get("path", EMBEDDED)) if run else None
+    return run_data_tokenizer(checkpoint)
