@@ -30,11 +30,16 @@ TOKENIZER_DIR = "tokenizer"
 
 
 def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """cfg's fields, the attention kernel as "auto": an explicit kernel (cudnn, splash) is the
+    saving run's platform's, and would not load on another (config_from_json)."""
+    return {**dataclasses.asdict(cfg), "attention": "auto"}
 
 
 def config_from_json(fields: dict[str, Any], *, source: str) -> ModelConfig:
-    fields = current_fields(fields, source)
+    """The ModelConfig a checkpoint's model_config holds, in today's fields, with the attention
+    kernel "auto" whatever it names (checkpoints written before config_to_json dropped it may
+    name cudnn or splash); a caller that wants another passes it as an override."""
+    fields = {**current_fields(fields, source), "attention": "auto"}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:

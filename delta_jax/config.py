@@ -19,7 +19,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_sublayer_outputs")
 LAYER_DRIVERS = ("lean", "scan", "unrolled")
 GATE_BASES = ("live", "stream")
-ATTENTION_KINDS = ("xla", "splash", "cudnn")
+ATTENTION_KINDS = ("auto", "xla", "splash", "cudnn")
 
 # Fields that change the function or the parameter shapes. The rest (dtypes, remat, layer_driver,
 # unroll_layers, layer_loops, rebuild_states, attention) only change how the same function is
@@ -86,10 +86,11 @@ class ModelConfig:
     # planner offers it to a delta run that does not fit (delta_jax/plan/knobs.py).
     rebuild_states: bool = False
     # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
-    # "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode elsewhere: tests only, slow;
-    # T a multiple of 128); "cudnn" NVIDIA GPUs with dtype bfloat16/float16. Decoding with a KV
-    # cache always takes the XLA masked path.
-    attention: str = "xla"
+    # "auto" the platform's kernel where the inputs allow it (splash on TPU, cudnn on NVIDIA
+    # GPUs, xla otherwise); "xla" anywhere; "splash" the Pallas TPU kernel (interpret mode
+    # elsewhere: tests only, slow; T a multiple of 128); "cudnn" NVIDIA GPUs with dtype
+    # bfloat16/float16. Decoding with a KV cache always takes the XLA masked path.
+    attention: str = "auto"
 
     def __post_init__(self):
         def fail(field: str, allowed: str):

@@ -15,6 +15,7 @@ from delta_jax.checkpoint import (
     load_checkpoint,
     load_checkpoint_config,
     manager,
+    save_checkpoint,
 )
 
 # What checkpoints saved before these runtime fields were retired hold besides today's fields.
@@ -52,3 +53,21 @@ def test_an_unknown_field_is_still_refused(tmp_path):
     _save_with_config(model, tmp_path, {**config_to_json(model.config), "mystery": 1})
     with pytest.raises(ValueError, match=r"unknown model_config field\(s\) \['mystery'\]"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_carries_no_attention_kernel(tmp_path):
+    """A kernel is the platform's: a model saved with cuDNN's attention (a GPU's) is written
+    with attention auto, and one written before that, naming cudnn, still loads and runs on
+    this CPU, as the same function."""
+    cfg = ModelConfig.tiny(dtype="bfloat16", attention="cudnn")
+    model = init_model(cfg, 3)
+    save_checkpoint(model, tmp_path / "new")
+    assert load_checkpoint_config(tmp_path / "new").attention == "auto"
+    _save_with_config(model, tmp_path / "old", {**config_to_json(model.config),
+                                                 "attention": "cudnn"})
+    loaded = load_checkpoint(tmp_path / "old")
+    assert loaded.config == cfg.replace(attention="auto")
+    ids = jax.random.randint(jax.random.key(0), (2, 8), 0, 128)
+    expected = init_model(cfg.replace(attention="xla"), 3)(ids)
+    np.testing.assert_array_equal(loaded(ids), expected)

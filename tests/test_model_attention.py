@@ -1,5 +1,6 @@
 """The attention kernels of ModelConfig.attention: splash (Pallas interpret mode on CPU) against
-XLA's, alone, sharded and in whole models; cuDNN's errors off GPU; splash compiled for TPU."""
+XLA's, alone, sharded and in whole models; cuDNN's errors off GPU; what auto picks where, and
+splash compiled for TPU by auto (cuDNN by auto for H100s: tests/test_plan_gpu.py)."""
 import importlib.util
 
 import jax
@@ -10,7 +11,8 @@ import pytest
 from flax import nnx
 
 from delta_jax import ModelConfig, init_model
-from delta_jax.model.attention_kernels import causal_attention, splash_block
+from delta_jax.model.attention_kernels import auto_kernel, causal_attention, splash_block
+from delta_jax.plan import kernel_flops
 from delta_jax.sharding import make_mesh
 
 # float32 throughout: both kernels compute the same softmax, differing only in summation order
@@ -150,8 +152,8 @@ def test_cudnn_off_gpu_names_field_value_and_the_gpu():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(attention="flash"), r"ModelConfig.attention='flash' is invalid: expected one of xla, "
-                              r"splash, cudnn"),
+    (dict(attention="flash"), r"ModelConfig.attention='flash' is invalid: expected one of auto, "
+                              r"xla, splash, cudnn"),
     (dict(attention="cudnn"), r"attention='cudnn' is invalid with dtype='float32'"),
 ])
 def test_attention_config_errors(overrides, message):
@@ -164,16 +166,61 @@ def test_attention_is_a_runtime_field():
     assert cfg.architecture() == cfg.replace(attention="splash").architecture()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu is not installed: no TPU compiler to compile splash for v5p")
-def test_splash_train_step_compiles_for_tpu():
-    """The whole train step of a small model with splash, compiled for v5p:2x2x1 under an
-    fsdp x tensor mesh: the kernel lowers to Mosaic (not interpret mode) inside shard_map."""
+@pytest.mark.parametrize("platform,seq_len,head_dim,dtype,segments,kernel", [
+    ("tpu", 2048, 64, "bfloat16", False, "splash"),
+    ("tpu", 512, 8, "float32", True, "splash"),    # splash takes segment ids and float32
+    ("tpu", 320, 64, "bfloat16", False, "xla"),    # no splash block divides T
+    ("gpu", 2048, 128, "bfloat16", False, "cudnn"),
+    ("cuda", 2048, 64, "float16", False, "cudnn"),
+    ("gpu", 2048, 64, "float32", False, "xla"),    # cuDNN's fused attention is 16-bit only
+    ("gpu", 2048, 64, "bfloat16", True, "xla"),    # cuDNN takes no segment ids
+    ("gpu", 2048, 256, "bfloat16", False, "xla"),  # over what every GPU generation takes
+    ("gpu", 2048, 12, "bfloat16", False, "xla"),   # not a multiple of 8
+    ("cpu", 2048, 64, "bfloat16", False, "xla"),
+])
+def test_auto_takes_the_platforms_kernel_where_the_inputs_allow(platform, seq_len, head_dim,
+                                                                dtype, segments, kernel):
+    assert auto_kernel(platform, seq_len=seq_len, head_dim=head_dim, dtype=dtype,
+                       segments=segments) == kernel
+
+
+@pytest.mark.slow
+def test_auto_is_the_default_and_runs_xla_on_cpu():
+    cfg = ModelConfig.tiny(residual="delta")
+    assert cfg.attention == "auto"
+    # T = 128, where splash (interpret mode) would run too and differ in the last bits
+    ids = jax.random.randint(jax.random.key(1), (2, 128), 0, cfg.vocab_size)
+    auto, xla = (init_model(cfg.replace(attention=kind), 0) for kind in ("auto", "xla"))
+    np.testing.assert_array_equal(auto(ids), xla(ids))
+
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed: no TPU compiler to compile splash for v5p")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("seq_len,splash_calls", [
+    (512, True), pytest.param(320, False, marks=pytest.mark.slow)])
+def test_auto_compiles_splash_into_the_train_step_for_tpu(seq_len, splash_calls):
+    """The whole train step of a small model with attention auto (the default), compiled for
+    v5p:2x2x1 under an fsdp x tensor mesh: splash lowers to Mosaic (not interpret mode) inside
+    shard_map where its block divides T, and XLA's attention runs where none does."""
     from attention_aot import compile_train_step, tpu_devices
 
     sizes = dict(vocab_size=256, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=128, intermediate_size=512, residual="delta", attention="splash")
+                 head_dim=128, intermediate_size=512, residual="delta", remat="none")
     compiled = compile_train_step(
-        [f"model.{k}={v}" for k, v in sizes.items()] + ["train.seq_len=512", "train.batch_size=4"],
+        [f"model.{k}={v}" for k, v in sizes.items()]
+        + [f"train.seq_len={seq_len}", "train.batch_size=4"],
         tpu_devices("v5p:2x2x1"), dict(data=1, fsdp=2, tensor=2))
-    assert "tpu_custom_call" in compiled.as_text()
+    hlo = compiled.as_text()
+    assert ("tpu_custom_call" in hlo) is splash_calls
+    # The planner counts each call's matmuls from this text: per layer two forward calls (2
+    # [T,T] matmuls each; the lean driver recomputes the layer in its backward pass), a dq (3)
+    # and a dkv (4), here on 2 rows and 2 heads a device; one 512 block covers the square.
+    square = 2 * 2 * 2 * seq_len * seq_len * 128
+    counted = kernel_flops.splash_attention_flops(hlo, rows=2, seq_len=seq_len, heads=2,
+                                                  head_dim=128, block=512)
+    assert counted == (2 * 11 * square if splash_calls else 0)
+    assert kernel_flops.attention_kernel_in(hlo) == ("splash" if splash_calls else "xla")

@@ -269,6 +269,28 @@ def test_tiny_model_compiles_for_v5p(tmp_path, capsys):
     assert "routing against its floor" in text
 
 
+@needs_libtpu
+@pytest.mark.slow
+def test_v5p_plans_splash_by_default_and_counts_its_flops(tmp_path, capsys):
+    # attention auto at T 512: the planner compiles splash, reads that from the program, and
+    # adds the kernel's flops (its time at the chip's peak) that XLA's cost model leaves out.
+    out = tmp_path / "plan.json"
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", "--variants", "baseline", "--json",
+                 str(out), *SMALL_V5P]) == 0
+    assert main([*CONFIG, "--topology", "v5p:2x2x1", "--variants", "baseline", "--json",
+                 str(tmp_path / "xla.json"), *SMALL_V5P, "model.attention=xla"]) == 0
+    (auto,), (xla,) = (json.loads(path.read_text()) for path in (out, tmp_path / "xla.json"))
+    assert (auto["attention"], xla["attention"]) == ("splash", "xla")
+    assert auto["estimate_method"] == "XLA's cost model, splash attention added at the chip's peak"
+    assert xla["estimate_method"] == "XLA's cost model"
+    # A layer's attention here: XLA's 8 [T,T] matmuls (2 forward, twice: the lean driver
+    # recomputes the layer; 4 backward), splash's 11 (2 forward twice, dq 3, dkv 4), all over the
+    # whole square (T is one splash block). Uncounted, splash would make auto's flops 8 fewer.
+    square = 2 * (16 // 4) * 4 * 512 * 512 * 64  # rows and heads a device, T, head dim
+    assert auto["flops"] - xla["flops"] == pytest.approx(8 * (11 - 8) * square, rel=0.15)
+    assert "baseline: 16 x 512 tokens per step" in unwrapped(capsys.readouterr().out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("driver", ["lean"])
 def test_cost_twin_counts_every_layer(driver):

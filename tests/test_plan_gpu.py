@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from delta_jax.plan import gpus
+from delta_jax.plan import gpus, kernel_flops
 from delta_jax.plan.__main__ import main
 from delta_jax.plan.chips import CHIPS
 from delta_jax.sharding import make_hybrid_mesh
@@ -64,9 +64,9 @@ def test_cudnn_attention_is_counted_for_each_call():
            'custom_call_target="__cublas$gemm"')
     rows, seq, heads, head_dim = 2, 128, 4, 64
     one_matmul = rows * heads * seq * seq * head_dim  # 2 flops x the causal half of [T,T]
-    assert gpus.cudnn_attention_flops(hlo, rows, seq, heads, head_dim) == (
+    assert kernel_flops.cudnn_attention_flops(hlo, rows, seq, heads, head_dim) == (
         2 * 2 * one_matmul + 5 * one_matmul)
-    assert gpus.cudnn_attention_flops("no attention here", rows, seq, heads, head_dim) == 0
+    assert kernel_flops.cudnn_attention_flops("no attention here", rows, seq, heads, head_dim) == 0
 
 
 @needs_gpu_compiler
@@ -148,6 +148,23 @@ def test_cudnn_attention_flops_are_added_by_formula(tmp_path):
     (row,) = json.loads(out.read_text())
     model_flops = row["analytic_flops"] / row["num_devices"]
     assert model_flops <= row["flops"] < 2 * model_flops
+
+
+@needs_gpu_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,attention", [
+    ([], "cudnn"),
+    (["data.packing=documents"], "xla"),  # cuDNN takes no segment ids
+    (["model.dtype=float32"], "xla"),     # nor float32
+])
+def test_auto_compiles_cudnn_attention_for_h100_where_the_inputs_allow(tmp_path, overrides,
+                                                                         attention):
+    # model.attention is auto (the default); the planner reads the kernel from the program.
+    out = tmp_path / "plan.json"
+    assert main([*CONFIG, "--topology", "h100:1x8", "--variants", "baseline", "--no-estimate",
+                 "--json", str(out), *TINY, *overrides]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["attention"] == attention
 
 
 @needs_gpu_compiler

@@ -1,4 +1,5 @@
-"""Causal attention kernels behind `ModelConfig.attention`: xla, splash (Pallas TPU), cudnn.
+"""Causal attention kernels behind `ModelConfig.attention`: auto, xla, splash (Pallas TPU),
+cudnn.
 
 Conventions: B batch, T sequence, H query heads, K kv heads (H a multiple of K; query head h
 reads kv head h // (H/K)), hd head dim. Every kernel maps q [B,T,H,hd], k, v [B,T,K,hd] to
@@ -14,6 +15,10 @@ the same segment id. They differ only in how they compute it:
   and bfloat16/float16 only (ModelConfig rejects float32 with it). No segment ids: that API
   takes only per-row sequence lengths, and a dense mask would become a [B,1,T,T] bias whose
   gradient cuDNN always computes.
+
+- auto (the default): the platform's kernel where the call's inputs allow it, chosen when the
+  call is traced (auto_kernel): splash on TPU, cudnn on an NVIDIA GPU, xla otherwise. A model,
+  a checkpoint or a config with auto runs on every platform.
 
 These serve training and prefill without a cache. Decoding with a KV cache stays on the XLA
 masked path (layers.Attention): its mask depends on runtime values (cache length, each row's
@@ -42,10 +47,27 @@ def current_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def auto_kernel(platform: str, *, seq_len: int, head_dim: int, dtype, segments: bool) -> str:
+    """The kernel `attention: auto` takes for one call: splash on TPU where its block size
+    divides T; cudnn on an NVIDIA GPU for bfloat16/float16 without segment ids (packed
+    documents) and a head dim it takes (a multiple of 8, at most 128 on every GPU generation);
+    xla otherwise. Each choice is compiled by a test for its platform (tests/
+    test_model_attention.py): TPU through libtpu, GPU through the compile-only H100s."""
+    if platform == "tpu" and seq_len % SPLASH_BLOCKS[-1] == 0:
+        return "splash"
+    if (platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and not segments and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return "xla"
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kind: str, scale: float,
                      segment_ids: jax.Array | None = None) -> jax.Array:
     """q [B,T,H,hd], k, v [B,T,K,hd], segment_ids [B,T] int or None (one segment) ->
-    [B,T,H,hd] with the kernel named by `kind`."""
+    [B,T,H,hd] with the kernel named by `kind` (auto: auto_kernel's)."""
+    if kind == "auto":
+        kind = auto_kernel(current_platform(), seq_len=q.shape[1], head_dim=q.shape[3],
+                           dtype=q.dtype, segments=segment_ids is not None)
     if kind == "xla":
         mask = None if segment_ids is None else same_segment(segment_ids)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
@@ -66,7 +88,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kind: str, sca
                 "platform) or 'splash' (TPU)")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                             implementation="cudnn")
-    raise ValueError(f"unknown attention kind {kind!r}: expected one of xla, splash, cudnn")
+    raise ValueError(f"unknown attention kind {kind!r}: expected one of auto, xla, splash, cudnn")
 
 
 def same_segment(segment_ids: jax.Array) -> jax.Array:

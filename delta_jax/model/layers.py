@@ -77,7 +77,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Causal GQA attention with per-head q/k RMSNorm before RoPE; no biases.
 
-    Without a cache the kernel is `cfg.attention` (xla, splash or cudnn; attention_kernels.py);
+    Without a cache the kernel is `cfg.attention` (auto, xla, splash or cudnn;
+    attention_kernels.py);
     with one, the XLA masked path, whose mask depends on the cache's runtime length and rows.
     """
 

@@ -20,7 +20,10 @@ numbers are always the real program's.
 
 The step time is an estimate either way: on TPU XLA's cost model ("optimal_seconds"); on GPU,
 whose compiled programs carry no cost analysis, a roofline over XLA's HloCostAnalysis of the
-optimized module, max(flops / peak, bytes / bandwidth) (gpus.py).
+optimized module, max(flops / peak, bytes / bandwidth) (gpus.py). Neither analysis sees the work
+inside an attention kernel (splash on TPU, cuDNN on GPU, what model.attention=auto picks there):
+its flops are counted by formula (kernel_flops.py), and on TPU its time at the chip's peak is
+added to XLA's estimate, a floor for the kernel.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from jax.sharding import Mesh
 
 from delta_jax.config import ModelConfig
 from delta_jax.data.pipeline import batch_keys
-from delta_jax.plan import gpus
+from delta_jax.model.attention_kernels import SPLASH_BLOCKS, splash_block
+from delta_jax.plan import gpus, kernel_flops
 from delta_jax.plan.topology import PlanError, Topology, refusal_bytes, resolve
 from delta_jax.sharding import batch_sharding, make_hybrid_mesh
 from delta_jax.train.config import RunConfig
@@ -95,6 +99,9 @@ class StepPlan:
     live_peak_bytes: int | None = None
     # How estimated_step_s was estimated (report.describe prints it); None without an estimate.
     estimate_method: str | None = None
+    # The attention the compiled program runs (splash, cudnn or xla: what model.attention=auto
+    # chose for the topology); None where the compiler refused the step.
+    attention: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -167,8 +174,10 @@ def cost_twin(run: RunConfig) -> RunConfig:
 XLA_COST_MODEL = "XLA's cost model"
 
 
-def _cost(compiled, scale: int) -> dict[str, float | str | None]:
-    """A TPU (or CPU) program's flops, bytes accessed and XLA's step estimate, times `scale`."""
+def _cost(compiled, scale: int, run: RunConfig, topology: Topology,
+          mesh: dict[str, int]) -> dict[str, float | str | None]:
+    """A TPU (or CPU) program's flops, bytes accessed and XLA's step estimate, with splash's
+    calls added (their flops, and their time at the device's peak), times `scale`."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
         cost = cost[0]
@@ -176,19 +185,38 @@ def _cost(compiled, scale: int) -> dict[str, float | str | None]:
     values = {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
               # XLA reports a negative time where its model has no estimate (seen on v5e)
               "estimated_step_s": seconds if seconds is not None and seconds > 0 else None}
+    splash = _kernel_flops(compiled, run, mesh, "splash")
+    method = XLA_COST_MODEL
+    if splash and values["flops"] is not None:
+        values["flops"] += splash
+        if values["estimated_step_s"] is not None and topology.peak_flops_per_device:
+            values["estimated_step_s"] += splash / topology.peak_flops_per_device
+            method = f"{XLA_COST_MODEL}, splash attention added at the chip's peak"
     scaled = {k: None if v is None else v * scale for k, v in values.items()}
-    return {**scaled, "estimate_method": scaled["estimated_step_s"] and XLA_COST_MODEL}
+    return {**scaled, "estimate_method": scaled["estimated_step_s"] and method}
+
+
+def _kernel_flops(compiled, run: RunConfig, mesh: dict[str, int], kernel: str) -> float:
+    """The flops of `kernel`'s (splash or cudnn) calls in the compiled program, per device."""
+    cfg, seq_len = run.model, run.train.seq_len
+    rows = run.train.batch_size // run.train.grad_accum // (mesh["data"] * mesh["fsdp"])
+    heads = kernel_flops.attention_heads_per_device(cfg.num_heads, mesh["tensor"])
+    if kernel == "cudnn":
+        return kernel_flops.cudnn_attention_flops(compiled.as_text(), rows, seq_len, heads,
+                                                  cfg.head_dim)
+    if seq_len % SPLASH_BLOCKS[-1]:  # no splash call can be in the program
+        return 0.0
+    return kernel_flops.splash_attention_flops(compiled.as_text(), rows, seq_len, heads,
+                                               cfg.head_dim, splash_block(seq_len))
 
 
 def _gpu_cost(compiled, scale: int, run: RunConfig, topology: Topology,
               mesh: dict[str, int]) -> dict[str, float | str]:
     """A GPU program's flops (XLA's HloCostAnalysis, plus cuDNN attention by formula) and bytes
     accessed, times `scale`, and the roofline step they give on topology's GPU."""
-    cfg, chip = run.model, topology.chip
+    chip = topology.chip
     flops, accessed = gpus.hlo_cost(compiled)
-    rows = run.train.batch_size // run.train.grad_accum // (mesh["data"] * mesh["fsdp"])
-    flops += gpus.cudnn_attention_flops(compiled.as_text(), rows, run.train.seq_len,
-                                        cfg.num_heads // mesh["tensor"], cfg.head_dim)
+    flops += _kernel_flops(compiled, run, mesh, "cudnn")
     flops, accessed = flops * scale, accessed * scale
     return {"flops": flops, "bytes_accessed": accessed,
             "estimated_step_s": gpus.roofline_s(flops, accessed, chip),
@@ -221,7 +249,7 @@ def with_cost(run: RunConfig, topology: Topology, memory_plan: StepPlan) -> Step
         return memory_plan  # the twin alone exceeds HBM: no estimate
     scale = run.train.grad_accum
     cost = (_gpu_cost(compiled, scale, run, topology, memory_plan.mesh) if topology.is_gpu
-            else _cost(compiled, scale))
+            else _cost(compiled, scale, run, topology, memory_plan.mesh))
     return dataclasses.replace(memory_plan, **cost,
                                compile_s=memory_plan.compile_s + time.perf_counter() - start)
 
@@ -308,4 +336,5 @@ def _compile(run: RunConfig, topology: Topology) -> StepPlan:
         **fields, argument_bytes=argument, output_bytes=output, alias_bytes=alias,
         temp_bytes=temp, code_bytes=code, total_bytes=memory_total_bytes(memory),
         flops=None, bytes_accessed=None, estimated_step_s=None, compile_s=compile_s,
-        live_peak_bytes=getattr(memory, "peak_memory_in_bytes", None) or None)
+        live_peak_bytes=getattr(memory, "peak_memory_in_bytes", None) or None,
+        attention=kernel_flops.attention_kernel_in(compiled.as_text()))

@@ -15,13 +15,12 @@ What the GPU compiler does not tell, and how the planner makes up for it:
 - compiled.cost_analysis() is None: the flops and bytes come from XLA's HloCostAnalysis over
   the optimized module (hlo_cost);
 - that analysis counts no flops for a custom call: cuDNN's fused attention (model.attention=
-  cudnn) is counted by formula for each call in the program (cudnn_attention_flops);
+  cudnn) is counted by formula for each call in the program (plan/kernel_flops.py);
 - nothing is autotuned without a device (XLA's default kernels and tiles are compiled).
 """
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -94,24 +93,6 @@ def hlo_cost(compiled) -> tuple[float, float]:
     module = compiled.runtime_executable().hlo_modules()[0]
     cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-
-
-# cuDNN's fused attention in optimized HLO: a forward call, and a backward one that
-# recomputes the scores from the saved softmax statistics.
-_CUDNN_CALL = re.compile(r'custom_call_target="__cudnn\$fmha[A-Za-z]*?(Backward)?"')
-
-
-def cudnn_attention_flops(hlo_text: str, rows: int, seq_len: int, heads: int,
-                          head_dim: int) -> float:
-    """The flops of the cuDNN attention calls in `hlo_text`, each over `rows` sequences of
-    `seq_len` with `heads` query heads of `head_dim` on the device. Each [T,T] matmul of a
-    causal attention is T^2/2 * hd multiply-adds a head: the forward pass does two (scores,
-    values), the backward five (the scores again, and the gradients of the values, the
-    probabilities, the queries and the keys)."""
-    matmul = rows * heads * seq_len * seq_len * head_dim  # 2 flops x half the [T,T] entries
-    calls = _CUDNN_CALL.findall(hlo_text)
-    backward = sum(1 for is_backward in calls if is_backward)
-    return float(matmul * (2 * (len(calls) - backward) + 5 * backward))
 
 
 def roofline_s(flops: float, bytes_accessed: float, chip: Chip) -> float:

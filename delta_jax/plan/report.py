@@ -105,7 +105,9 @@ def describe(plan: StepPlan, hbm: int | None, peak: float | None,
     hbm_text = f" of {_gib(hbm)}" if hbm else ""
     lines = [
         f"{plan.variant}: {plan.batch_size} x {plan.seq_len} tokens per step, {plan.knobs}, "
-        f"{plan.layer_driver} driver, {plan.num_devices} devices",
+        f"{plan.layer_driver} driver, "
+        + (f"{plan.attention} attention, " if plan.attention else "")
+        + f"{plan.num_devices} devices",
         "  per device:",
         f"    parameters        {_gib(plan.params_bytes)}",
         f"    optimizer state   {_gib(plan.opt_state_bytes)}",
