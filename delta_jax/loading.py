@@ -83,7 +83,12 @@ def run_data_tokenizer(path: str | Path) -> str | None:
     """The tokenizer spec the training run of `path` (a run folder or its checkpoint directory)
     tokenised its data with; None without a run or when it cannot be told."""
     run = run_config(path)
-    return data_tokenizer((run.get("data") or {}).get("path", EMBEDDED)) if run else None
+    if not run:
+        return None
+    data = run.get("data") or {}
+    if data.get("mixture"):  # its sources share one tokenizer
+        return data_tokenizer(data["mixture"][0]["path"])
+    return data_tokenizer(data.get("path", EMBEDDED))
 
 
 def run_config(path: str | Path) -> dict | None:
@@ -108,9 +113,10 @@ def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:
 
 def data_tokenizer(data: str) -> str | None:
     """The tokenizer spec a data source was tokenised with: "embedded" (the trainer's default
-    corpus) and tfds: specs without a tokenizer option use "byte"; a prepared directory names
-    its own in metadata.json. None when it cannot be told."""
-    if data == EMBEDDED:
+    corpus, and its parts "embedded:code", ...) and tfds: specs without a tokenizer option use
+    "byte"; a prepared directory names its own in metadata.json. None when it cannot be
+    told."""
+    if data == EMBEDDED or data.startswith(EMBEDDED + ":"):  # the corpus, or a part of it
         return "byte"
     if data.startswith("tfds:"):
         options = urllib.parse.parse_qs(urllib.parse.urlsplit(data[len("tfds:"):]).query)

@@ -91,6 +91,12 @@ def test_missing_tokenizer_file(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_mixture_with_data_path_is_refused(data_dir, tmp_path):
+    assert_refused(train(tmp_path / "run", data_dir, config=ROOT / "configs/demo_mixture.yaml"),
+                   tmp_path / "run", f"data.path='{data_dir}' and data.mixture are exclusive")
+
+
+@pytest.mark.slow
 def test_missing_init_from(data_dir, tmp_path):
     assert_refused(train(tmp_path / "run", data_dir, f"train.init_from={tmp_path / 'ckpt'}"),
                    tmp_path / "run", f"train.init_from='{tmp_path / 'ckpt'}' is not a model "

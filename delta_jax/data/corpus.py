@@ -8,6 +8,11 @@ byte-level tokens with the EOS; 2% of the documents held out for validation), bu
 in about 3.5 s on 2 cores. The exact bytes depend on the Python version and on how the
 distribution packaged the standard library, so corpus.json records the version, the counts and a
 SHA-256. Licence: the PSF License Agreement (PSF-2.0), like the standard library it comes from.
+
+Two parts of it make the mixture demo's sources (configs/demo_mixture.yaml): "embedded:code",
+the paragraphs that are mostly code (doctest `>>>`/`...` lines, or lines indented by 4 spaces),
+and "embedded:prose", the others; a document of each part per corpus document. They are
+prepared like the whole, but with 5% of their documents held out (the code part has few).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from delta_jax.data.prepare import METADATA, prepare
 
 EMBEDDED = "embedded"  # what data.path and the tools' --data call this corpus
 DEFAULT_CACHE_DIR = "data/cache"  # where it is built and prepared on first use
+PARTS = ("code", "prose")  # "embedded:code", "embedded:prose"
 CORPUS_FILE = "stdlib-docstrings.jsonl"
 CORPUS_METADATA = "corpus.json"
 LICENCE = "PSF-2.0 (Python Software Foundation License), as the CPython standard library"
@@ -87,20 +93,74 @@ def build_default_corpus(out_dir: str | os.PathLike) -> Path:
     return out / CORPUS_FILE
 
 
-def default_prepared_data(cache_dir: str | os.PathLike, seq_len: int | None = None) -> Path:
-    """The default corpus, tokenised with the byte tokenizer, under `cache_dir` (built on first
-    use).
+def is_code_paragraph(paragraph: str) -> bool:
+    """Whether most of a paragraph's non-blank lines are code: a doctest line (`>>>`, `...`)
+    or a line indented by 4 spaces."""
+    lines = [line for line in paragraph.splitlines() if line.strip()]
+    code = sum(line.lstrip().startswith((">>>", "...")) or line.startswith("    ")
+               for line in lines)
+    return 2 * code > len(lines)
+
+
+def split_corpus(corpus: Path, out_dir: Path) -> dict[str, Path]:
+    """The corpus's documents split by paragraph into its PARTS: {part: its JSONL file}, each
+    written atomically (processes may split at once)."""
+    files = {part: out_dir / f"{corpus.stem}-{part}.jsonl" for part in PARTS}
+    parts = {part: [] for part in PARTS}
+    for line in corpus.read_text("utf-8").splitlines():
+        doc = json.loads(line)
+        paragraphs = [p for p in doc["text"].split("\n\n") if p.strip()]
+        code = [p for p in paragraphs if is_code_paragraph(p)]
+        prose = [p for p in paragraphs if not is_code_paragraph(p)]
+        for part, kept in zip(PARTS, (code, prose)):
+            if kept:
+                parts[part].append(json.dumps({"text": "\n\n".join(kept),
+                                               "source": doc["source"]}, ensure_ascii=False))
+    for part, path in files.items():
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in parts[part])
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    return files
+
+
+def resolve_embedded(path: str, cache_dir: str | os.PathLike, seq_len: int | None = None
+                     ) -> str | Path:
+    """The prepared directory of "embedded" or "embedded:PART" (built on first use); any other
+    path as it is."""
+    if path == EMBEDDED:
+        return default_prepared_data(cache_dir, seq_len)
+    if path.startswith(EMBEDDED + ":"):
+        part = path[len(EMBEDDED) + 1:]
+        if part not in PARTS:
+            raise ValueError(f"{path}: no such part of the embedded corpus (expected "
+                             f"{', '.join(f'{EMBEDDED}:{p}' for p in PARTS)})")
+        return default_prepared_data(cache_dir, seq_len, part=part)
+    return path
+
+
+def default_prepared_data(cache_dir: str | os.PathLike, seq_len: int | None = None,
+                          part: str | None = None) -> Path:
+    """The default corpus (or one of its PARTS), tokenised with the byte tokenizer, under
+    `cache_dir` (built on first use).
 
     Safe to call from several processes at once. With `seq_len`, checks that both splits hold at
     least one window of seq_len + 1 tokens. Returns the prepared data directory.
     """
     root = Path(cache_dir) / (f"stdlib-{platform.python_implementation().lower()}"
                               f"{platform.python_version()}")
-    data_dir = root / "byte"
+    data_dir = root / ("byte" if part is None else f"byte-{part}")
     if not (data_dir / METADATA).is_file():
-        corpus = build_default_corpus(root)
+        if part is None:
+            corpus = build_default_corpus(root)
+        else:  # the whole corpus's file, if built (atomically) already
+            whole = root / CORPUS_FILE
+            corpus = split_corpus(whole if whole.is_file() else build_default_corpus(root),
+                                  root)[part]
         try:
-            prepare([corpus], data_dir, tokenizer="byte", validation_fraction=0.02, progress=False)
+            prepare([corpus], data_dir, tokenizer="byte",
+                    validation_fraction=0.02 if part is None else 0.05, progress=False)
         except FileExistsError:
             if not (data_dir / METADATA).is_file():  # not a concurrent builder: a stray directory
                 raise

@@ -20,6 +20,15 @@ end to end, and process p reads items s*B + p*L + [0, L). So batch s is a pure f
 (seed, s), whatever the process count, and resuming is setting the iterator's state
 {"next_index": s}.
 
+A mixture (build_mixture_iterator, docs/data.md#mixtures) of S prepared sources with weights
+w: global example g = s*B + j (row j of batch s) comes from source src(g), drawn with
+probability w / sum(w) by a hash of (seed, g) alone, and is item pos(g) = #{g' < g : src(g') =
+src(g)} of that source's windows, shuffled and repeated as above with a seed of its own. So each
+source is read in its own order without skipping a window, batch s is again a pure function of
+(seed, s) for any process count, process p reads rows p*L + [0, L), and the iterator's state is
+{"next_index": s} as for one source. pos is found from counts kept per chunk of examples, built
+once, in order, on first need (a resumed run counts the examples before it again: a hash each).
+
 TFDS ("tfds:NAME[?data_dir=DIR&tokenizer=SPEC&text_field=FIELD]", ArrayRecord format, read
 without TensorFlow): documents are random access but their token counts are unknown until
 tokenised, so process p tokenises documents p, p + P, ... of the (shuffled, repeated) split and
@@ -35,7 +44,9 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 
 import grain
@@ -368,6 +379,121 @@ def build_batch_iterator(data: str | os.PathLike, *, split: str, seq_len: int,
                          f"tokens, fewer than one global batch of {global_batch_size}")
     batches = grain.MapDataset.range(steps).map(
         _GatherRows(windows, global_batch_size, process_index * local, local))
+    return iter(batches.map(to_batch).to_iter_dataset(read_options))
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A bijective mix of uint64 [n] (splitmix64's finaliser): a counter-based random
+    stream."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class MixtureSchedule:
+    """Which source each global example index g draws from, and its place in that source's
+    sequence (the module doc); thread safe, deterministic in (weights, seed)."""
+
+    CHUNK = 1 << 14  # examples per entry of the running counts
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        weights = np.asarray(weights, np.float64)
+        if weights.ndim != 1 or len(weights) == 0 or not (weights > 0).all():
+            raise ValueError(f"mixture weights {weights.tolist()}: expected positive numbers")
+        self.shares = weights / weights.sum()
+        self._edges = np.cumsum(self.shares)[:-1]  # [S - 1]
+        self._key = _splitmix64(np.array([seed], np.uint64))
+        self._before = [np.zeros(len(weights), np.int64)]  # [chunks][S]: counts before a chunk
+        self._lock = threading.Lock()
+
+    def sources(self, start: int, stop: int) -> np.ndarray:
+        """src(g) for g in [start, stop): int64 [stop - start]."""
+        g = np.arange(start, stop, dtype=np.uint64)
+        bits = _splitmix64(self._key + g * _GOLDEN) >> np.uint64(11)
+        return np.searchsorted(self._edges, bits * 2.0**-53, side="right")
+
+    def counts(self, start: int, stop: int) -> np.ndarray:
+        """How many of the examples [start, stop) each source gives: int64 [S]."""
+        return np.bincount(self.sources(start, stop), minlength=len(self.shares))
+
+    def _counts_before(self, chunk: int) -> np.ndarray:
+        with self._lock:
+            while len(self._before) <= chunk:
+                first = (len(self._before) - 1) * self.CHUNK
+                self._before.append(self._before[-1] + self.counts(first, first + self.CHUNK))
+            return self._before[chunk]
+
+    def assign(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(src(g), pos(g)) for g in [start, stop): int64 [stop - start] each."""
+        chunk = start // self.CHUNK
+        first = chunk * self.CHUNK
+        src = self.sources(first, stop)
+        pos = np.empty_like(src)
+        for i, before in enumerate(self._counts_before(chunk)):
+            mine = src == i
+            pos[mine] = before + np.arange(mine.sum())
+        return src[start - first:], pos[start - first:]
+
+
+class _GatherMixtureRows:
+    """Step s -> this process's rows of global batch s of a mixture, [L, T + 1]."""
+
+    def __init__(self, sources: Sequence[grain.MapDataset], schedule: MixtureSchedule,
+                 global_batch: int, offset: int, local_batch: int):
+        self._sources, self._schedule = sources, schedule
+        self._b, self._offset, self._l = global_batch, offset, local_batch
+
+    def __call__(self, step: int) -> np.ndarray:
+        first = step * self._b + self._offset
+        src, pos = self._schedule.assign(first, first + self._l)
+        return np.stack([self._sources[i][p] for i, p in zip(src, pos)])
+
+
+def mixture_tokenizer(paths: Sequence[str | os.PathLike]) -> dict:
+    """The tokenizer every source of a mixture shares, or a ValueError naming two that
+    differ."""
+    tokenizers = [data_tokenizer(p) for p in paths]
+    for path, tok in zip(paths[1:], tokenizers[1:]):
+        if tok != tokenizers[0]:
+            raise ValueError(f"{path}: tokenised with {tok['name']!r} ({tok['vocab_size']} ids), "
+                             f"{paths[0]} with {tokenizers[0]['name']!r} "
+                             f"({tokenizers[0]['vocab_size']}): a mixture's sources must share "
+                             "one tokenizer")
+    return tokenizers[0]
+
+
+def build_mixture_iterator(paths: Sequence[str | os.PathLike], schedule: MixtureSchedule, *,
+                           split: str, seq_len: int, global_batch_size: int, seed: int,
+                           process_index: int | None = None, process_count: int | None = None,
+                           verify_checksums: bool = False, num_threads: int = 2,
+                           prefetch: int = 4, packing: str = "concat") -> grain.DatasetIterator:
+    """This process's batches of a mixture of prepared directories `paths` (one per weight of
+    `schedule`), as build_batch_iterator's, forever; see the module doc."""
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+    if len(paths) != len(schedule.shares):
+        raise ValueError(f"{len(paths)} mixture sources for {len(schedule.shares)} weights")
+    if global_batch_size % process_count or not 0 <= process_index < process_count:
+        raise ValueError(f"global_batch_size {global_batch_size} must split evenly over "
+                         f"{process_count} processes, and process_index {process_index} "
+                         "be below it")
+    mixture_tokenizer(paths)
+    sources = []
+    for i, path in enumerate(paths):
+        windows = make_window_source(path, split=split, seq_len=seq_len,
+                                     verify_checksums=verify_checksums)
+        own_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+        sources.append(windows.shuffle(own_seed).repeat(None))
+    local = global_batch_size // process_count
+    to_batch = _batch_fn(packing, paths[0], split)  # one tokenizer: the first's EOS is all's
+    steps = len(sources[0]) // global_batch_size  # unbounded (repeat(None))
+    batches = grain.MapDataset.range(steps).map(
+        _GatherMixtureRows(sources, schedule, global_batch_size, process_index * local, local))
+    read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
     return iter(batches.map(to_batch).to_iter_dataset(read_options))
 
 

@@ -23,10 +23,22 @@ DECAY_MASKS = ("all", "matrices")
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One source of data.mixture (docs/data.md#mixtures)."""
+    name: str  # its metrics' name: val/<name>/loss, train/mix/<name>
+    path: str  # as data.path, but a prepared directory (or "embedded", "embedded:code", ...)
+    weight: float  # its share of training examples, relative to the other sources' weights
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     # "embedded" (the stdlib-docstring corpus, byte tokenizer), a directory written by
-    # `python -m delta_jax.data prepare`, or "tfds:NAME?data_dir=...&tokenizer=...".
-    path: str = EMBEDDED
+    # `python -m delta_jax.data prepare`, or "tfds:NAME?data_dir=...&tokenizer=...". Null
+    # (what a config with data.mixture gets) with data.mixture.
+    path: str | None = EMBEDDED
+    # Instead of data.path: a list of {name, path, weight}, each training example drawn from one
+    # source with probability weight / sum of weights, each source validated apart.
+    mixture: tuple[MixtureSource, ...] = ()
     cache_dir: str = DEFAULT_CACHE_DIR  # where "embedded" is built and prepared on first use
     validation_split: str = "validation"
     num_threads: int = 2  # grain read-ahead threads per process
@@ -190,9 +202,32 @@ class RunConfig:
         for ok, key, value, expected in checks:
             if not ok:
                 raise ValueError(f"{key}={value!r} is invalid: expected {expected}")
+        _check_mixture(self.data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_mixture(data: DataConfig) -> None:
+    """data.path xor data.mixture; the sources named apart, with positive weights."""
+    if data.mixture and data.path is not None:
+        raise ValueError(f"data.path={data.path!r} and data.mixture are exclusive: give one "
+                         "(a config with data.mixture has no data.path)")
+    if not data.mixture and data.path is None:
+        raise ValueError("data.path=None is invalid: expected a prepared directory, embedded or "
+                         "tfds:NAME (or a data.mixture)")
+    names = [s.name for s in data.mixture]
+    for i, source in enumerate(data.mixture):
+        if not source.name or "/" in source.name or source.name in names[:i]:
+            raise ValueError(f"data.mixture[{i}].name={source.name!r} is invalid: expected a "
+                             "unique name without '/' (it names the source's metrics)")
+        if not source.weight > 0:
+            raise ValueError(f"data.mixture[{i}].weight={source.weight!r} is invalid: expected "
+                             "a number > 0")
+        if source.path.startswith("tfds:"):
+            raise ValueError(f"data.mixture[{i}].path={source.path!r} is invalid: expected a "
+                             "prepared directory (a TFDS stream is not random access; prepare "
+                             "its text with `python -m delta_jax.data prepare`)")
 
 
 def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
@@ -211,6 +246,9 @@ def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
             value = [v for v in value.strip("[]() ").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             fail()
+        if dataclasses.is_dataclass(item):  # a list of mappings, such as data.mixture
+            return tuple(_build_item(item, v, f"{key}[{i}]", where)
+                         for i, v in enumerate(value))
         return tuple(_coerce(v, item, key, where) for v in value)
     if kind is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -235,9 +273,21 @@ def _coerce(value: Any, kind: Any, key: str, where: str) -> Any:
     raise TypeError(f"unsupported config field type {kind!r} for {key}")
 
 
+def _build_item(cls, value: Any, key: str, where: str):
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {key} must be a mapping of {cls.__name__} fields, got "
+                         f"{value!r}")
+    if missing := [f.name for f in dataclasses.fields(cls) if f.name not in value
+                   and f.default is dataclasses.MISSING]:
+        raise ValueError(f"{where}: {key} lacks {', '.join(missing)}")
+    return _build(cls, value, f"{key}.", where)
+
+
 def _build(cls, values: dict[str, Any], prefix: str, where: str):
     if cls is ModelConfig:  # a run config written before a field was renamed or retired
         values = current_fields(values, where)
+    if cls is DataConfig and values.get("mixture") and "path" not in values:
+        values = {**values, "path": None}  # the default path is for runs without a mixture
     types_ = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(types_))
     if unknown:

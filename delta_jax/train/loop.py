@@ -7,6 +7,7 @@ resumed run repeats the uninterrupted one exactly.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
@@ -24,11 +25,15 @@ from jax.sharding import Mesh
 from delta_jax.analyze import heatmap_result, plot_heatmap
 from delta_jax.checkpoint import load_checkpoint, load_checkpoint_config
 from delta_jax.config import RUNTIME_FIELDS
+from delta_jax.data.corpus import resolve_embedded
 from delta_jax.data.pipeline import (
+    MixtureSchedule,
     batch_keys,
     build_batch_iterator,
     build_eval_iterator,
+    build_mixture_iterator,
     data_tokenizer,
+    mixture_tokenizer,
     to_global_array,
 )
 from delta_jax.model.causal_lm import count_params
@@ -63,10 +68,10 @@ logger = logging.getLogger(__name__)
 INIT_ONLY_FIELDS = ("router_init", "init_std")
 # Changing these between a checkpoint and its resumption would change which batch a step reads,
 # or what it holds.
-DATA_ORDER_KEYS = (("seed",), ("data", "path"), ("data", "packing"), ("train", "batch_size"),
-                   ("train", "seq_len"))
+DATA_ORDER_KEYS = (("seed",), ("data", "path"), ("data", "mixture"), ("data", "packing"),
+                   ("train", "batch_size"), ("train", "seq_len"))
 # What a saved config that predates a key ran with.
-SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat"}
+SAVED_BEFORE_THE_KEY = {("data", "packing"): "concat", ("data", "mixture"): []}
 
 
 def build_mesh(cfg: MeshConfig) -> Mesh:
@@ -82,11 +87,15 @@ def build_mesh(cfg: MeshConfig) -> Mesh:
 
 
 def data_source(cfg: RunConfig) -> str | Path:
-    if cfg.data.path == "embedded":
-        from delta_jax.data.corpus import default_prepared_data
+    """data.path, or with data.mixture its first source (what the routing probe reads)."""
+    return resolve_embedded(cfg.data.path or cfg.data.mixture[0].path, cfg.data.cache_dir,
+                            cfg.train.seq_len)
 
-        return default_prepared_data(cfg.data.cache_dir, cfg.train.seq_len)
-    return cfg.data.path
+
+def mixture_sources(cfg: RunConfig) -> dict[str, str | Path]:
+    """{name: prepared directory} of data.mixture's sources, in order ({} without one)."""
+    return {s.name: resolve_embedded(s.path, cfg.data.cache_dir, cfg.train.seq_len)
+            for s in cfg.data.mixture}
 
 
 def _check_batch(cfg: RunConfig, mesh: Mesh) -> None:
@@ -106,7 +115,7 @@ def _check_batch(cfg: RunConfig, mesh: Mesh) -> None:
 
 
 def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
-    current = cfg.to_dict()
+    current = json.loads(json.dumps(cfg.to_dict()))  # as saved: tuples are lists
     for keys in DATA_ORDER_KEYS:
         old, new = saved, current
         for k in keys:
@@ -247,27 +256,39 @@ class Trainer:
 
     def _open_data(self) -> None:
         """The training iterator and a first validation batch (the routing probe's inputs),
-        or a PreflightError naming data.path."""
+        or a PreflightError naming data.path (or data.mixture)."""
         cfg = self.cfg
+        named = (f"data.path={cfg.data.path!r}" if cfg.data.path is not None else
+                 "data.mixture=" + ",".join(s.path for s in cfg.data.mixture))
         try:
-            self.data = data_source(cfg)
-            self.train_iter = build_batch_iterator(
-                self.data, split="train", seq_len=cfg.train.seq_len,
-                global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                num_threads=cfg.data.num_threads, prefetch=cfg.data.prefetch,
-                packing=cfg.data.packing)
+            self.data, self.sources = data_source(cfg), mixture_sources(cfg)
+            self.mixture = (MixtureSchedule([s.weight for s in cfg.data.mixture], cfg.seed)
+                            if self.sources else None)
+            self.train_iter = self._train_iterator()
+            for data in self.sources.values():  # each source's validation split is readable
+                next(self._eval_batches(data))
             self.probe_inputs = {k: v for k, v in next(self._eval_batches()).items()
                                  if k != "labels"}
+            tokenizer = (mixture_tokenizer(list(self.sources.values())) if self.sources
+                         else data_tokenizer(self.data))
         except (OSError, ValueError, StopIteration) as e:
-            raise PreflightError(f"preflight: data.path={cfg.data.path!r} is not readable "
+            raise PreflightError(f"preflight: {named} is not readable "
                                  f"({type(e).__name__}: {e})") from e
-        tokenizer = data_tokenizer(self.data)
         if tokenizer["vocab_size"] > cfg.model.vocab_size:
             raise PreflightError(
-                f"preflight: data.path={cfg.data.path!r} holds token ids of the "
+                f"preflight: {named} holds token ids of the "
                 f"{tokenizer['name']!r} tokenizer, below {tokenizer['vocab_size']}, but "
                 f"model.vocab_size={cfg.model.vocab_size}: expected model.vocab_size >= "
                 f"{tokenizer['vocab_size']} (or data prepared with the model's tokenizer)")
+
+    def _train_iterator(self):
+        cfg, t = self.cfg, self.cfg.train
+        common = dict(split="train", seq_len=t.seq_len, global_batch_size=t.batch_size,
+                      seed=cfg.seed, num_threads=cfg.data.num_threads,
+                      prefetch=cfg.data.prefetch, packing=cfg.data.packing)
+        if self.mixture is not None:
+            return build_mixture_iterator(list(self.sources.values()), self.mixture, **common)
+        return build_batch_iterator(self.data, **common)
 
     def __enter__(self) -> Trainer:
         """Opens (and creates) the checkpoint directory."""
@@ -347,9 +368,10 @@ class Trainer:
         return None
 
     # Evaluation -------------------------------------------------------------------------
-    def _eval_batches(self) -> Iterator[dict[str, jax.Array]]:
+    def _eval_batches(self, data: str | Path | None = None) -> Iterator[dict[str, jax.Array]]:
+        """Validation batches of `data` (default: the run's data, or its first source)."""
         cfg = self.cfg
-        iterator = build_eval_iterator(self.data, seq_len=cfg.train.seq_len,
+        iterator = build_eval_iterator(data or self.data, seq_len=cfg.train.seq_len,
                                        global_batch_size=cfg.train.batch_size,
                                        split=cfg.data.validation_split,
                                        packing=cfg.data.packing)
@@ -357,9 +379,23 @@ class Trainer:
 
     def evaluate(self, params: dict) -> dict[str, float]:
         """Validation loss and perplexity (per counted token) over up to train.eval_batches
-        batches."""
+        batches. A mixture's are its sources' val/<name>/loss and val/<name>/ppl (each over
+        up to train.eval_batches), and val_loss their mean weighted as in training."""
+        if self.mixture is None:
+            return self._validate(params, self.data)
+        record, mean_loss, batches = {}, 0.0, 0
+        for (name, data), share in zip(self.sources.items(), self.mixture.shares):
+            result = self._validate(params, data)
+            record[f"val/{name}/loss"], record[f"val/{name}/ppl"] = (result["val_loss"],
+                                                                     result["val_ppl"])
+            mean_loss += share * result["val_loss"]
+            batches += result["val_batches"]
+        return {"val_loss": mean_loss, "val_ppl": math.exp(min(mean_loss, 700.0)),
+                "val_batches": batches, **record}
+
+    def _validate(self, params: dict, data: str | Path) -> dict[str, float]:
         total, tokens, batches = 0.0, 0, 0
-        for batch in self._eval_batches():
+        for batch in self._eval_batches(data):
             nll, counted = self.eval_fn(params, batch)
             total += float(nll)
             tokens += int(counted)
@@ -547,12 +583,17 @@ class Trainer:
         mfu = (None if self.peak_flops is None else
                self.flops_per_token * tokens_per_s / (self.peak_flops * jax.device_count()))
         kept = [m for m in window if not m["skipped"]] or window  # NaN if all were skipped
+        mix = {}
+        if self.mixture is not None:  # the shares of the window's examples, by source
+            counts = self.mixture.counts((step - len(window)) * t.batch_size, step * t.batch_size)
+            mix = {f"mix/{name}": n / counts.sum() for name, n in zip(self.sources, counts)}
         return {"loss": float(np.mean([m["loss"] for m in kept])),
                 "lr": float(window[-1]["lr"]), "routing_lr": float(window[-1]["routing_lr"]),
                 "grad_norm": float(np.mean([m["grad_norm"] for m in kept])),
                 "skipped": sum(int(m["skipped"]) for m in window),
                 "tokens_per_s": tokens_per_s, "step_time_s": step_time, "mfu": mfu,
-                "eta_s": (t.steps - step) * step_time, "tokens": step * t.batch_size * t.seq_len}
+                "eta_s": (t.steps - step) * step_time,
+                "tokens": step * t.batch_size * t.seq_len, **mix}
 
     def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         shape = (self.cfg.train.batch_size, self.cfg.train.seq_len)

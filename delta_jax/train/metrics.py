@@ -106,6 +106,11 @@ def progress_line(step: int, total: int, record: dict[str, Any]) -> str:
         parts.append(f"eta {format_duration(record['eta_s'])}")
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f} val_ppl {record['val_ppl']:.2f}")
+    sources = [key.split("/")[1] for key in record if key.startswith("val/")
+               and key.endswith("/loss")]
+    if sources:  # a mixture's
+        parts.append("val_loss " + " ".join(f"{name} {record[f'val/{name}/loss']:.4f}"
+                                            for name in sources))
     return " | ".join(parts)
 
 
@@ -140,21 +145,8 @@ class MetricsWriter:
                 self._tensorboard(step, record)
 
     def _tensorboard(self, step: int, record: dict[str, Any]) -> None:
-        for key, value in record.items():
-            if key == "routing":
-                for stat, v in value.items():
-                    if not isinstance(v, list):  # final_* of the block modes
-                        if v is not None:
-                            self._tb.add_scalar(f"routing/{stat}", v, step)
-                        continue
-                    for layer, sites in enumerate(v):
-                        for site, x in zip(("attn", "mlp"), sites):
-                            if x is not None:  # the unused layer-0 site of the delta modes
-                                self._tb.add_scalar(f"routing/{stat}/layer{layer}_{site}", x,
-                                                    step)
-            elif key != "step" and isinstance(value, (int, float)):
-                group = "eval" if key.startswith("val_") else "train"
-                self._tb.add_scalar(f"{group}/{key}", value, step)
+        for tag, value in scalars(record).items():
+            self._tb.add_scalar(tag, value, step)
         self._tb.flush()
 
     def close(self) -> None:
@@ -162,6 +154,26 @@ class MetricsWriter:
             self._file.close()
             if self._tb is not None:
                 self._tb.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record as {tag: number}: train/KEY, eval/KEY (validation, a mixture's
+    sources as eval/val/NAME/loss), routing/STAT[/layerL_SITE]; nulls left out."""
+    tags = {}
+    for key, value in record.items():
+        if key == "routing":
+            for stat, v in value.items():
+                if not isinstance(v, list):  # final_* of the block modes
+                    if v is not None:
+                        tags[f"routing/{stat}"] = v
+                    continue
+                for layer, sites in enumerate(v):
+                    for site, x in zip(("attn", "mlp"), sites):
+                        if x is not None:  # the unused layer-0 site of the delta modes
+                            tags[f"routing/{stat}/layer{layer}_{site}"] = x
+        elif key != "step" and isinstance(value, (int, float)):
+            tags[f"{'eval' if key.startswith('val') else 'train'}/{key}"] = value
+    return tags
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
