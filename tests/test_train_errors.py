@@ -31,10 +31,11 @@ def data_dir(tmp_path_factory):
 
 
 def train(run_dir: Path, data_dir: Path, *overrides: str,
-          config: Path = ROOT / "configs/demo.yaml") -> subprocess.CompletedProcess:
+          config: Path = ROOT / "configs/demo.yaml", env: dict | None = None
+          ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "delta_jax.train", "--config", str(config),
                            f"output_dir={run_dir}", f"data.path={data_dir}", *TINY, *overrides],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=300)
 
 
 def assert_refused(done: subprocess.CompletedProcess, run_dir: Path, *named: str) -> str:
@@ -88,6 +89,19 @@ def test_missing_tokenizer_file(tmp_path):
     spec = f"tfds:tiny_docs?tokenizer={tmp_path / 'tokenizer.json'}"
     assert_refused(train(tmp_path / "run", spec), tmp_path / "run", "data.path='tfds:tiny_docs",
                    f"{tmp_path / 'tokenizer.json'}: no such tokenizer file")
+
+
+@pytest.mark.slow
+def test_wandb_without_the_package_names_the_install(data_dir, tmp_path):
+    """A `wandb` that fails to import (as a missing one does) ahead on the path."""
+    (tmp_path / "shadow" / "wandb").mkdir(parents=True)
+    (tmp_path / "shadow" / "wandb" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wandb'\", name='wandb')\n")
+    path = os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")])
+    done = train(tmp_path / "run", data_dir, "train.wandb.project=delta",
+                 env={**ENV, "PYTHONPATH": path})
+    assert_refused(done, tmp_path / "run", "train.wandb.project='delta' needs the wandb package",
+                   "pip install wandb==")
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
-"""Training on a data.mixture, end to end on real files: each source's validation loss, the
-realised shares, a bitwise resume, and the mixture demo."""
+"""Training on a data.mixture with W&B logging offline, end to end on real files: each source's
+validation loss, the realised shares, a bitwise resume, and the W&B run's files holding what
+metrics.jsonl holds."""
 import ast
 import json
 import math
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -48,7 +50,9 @@ def config(sources, output_dir, *overrides):
             "data": {"mixture": [{"name": n, "path": str(sources / n), "weight": w}
                                  for n, w in WEIGHTS.items()], "num_threads": 1},
             "train": {"steps": STEPS, "batch_size": BATCH, "seq_len": 32, "log_every": 1,
-                      "eval_every": 2, "eval_batches": 2, "routing_every": 2},
+                      "eval_every": 2, "eval_batches": 2, "routing_every": 2,
+                      "wandb": {"project": "delta-tests", "mode": "offline",
+                                "group": "mixture"}},
             "optimizer": {"lr": 1e-2, "warmup_steps": 1, "decay_steps": STEPS},
             "checkpoint": {"every": 2, "keep": 3}}
     path = Path(output_dir).with_suffix(".yaml")
@@ -90,6 +94,65 @@ def test_resume_is_bitwise(straight, sources, tmp_path):
     mine, reference = (read_metrics(o / "metrics.jsonl") for o in (out, straight))
     keys = lambda r: {k: v for k, v in r.items() if k.startswith(("loss", "val", "mix"))}  # noqa: E731
     assert [keys(r) for r in mine] == [keys(r) for r in reference]
+    # the resumed run continues the same W&B run
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in runs}) == 1
+
+
+def wandb_records(run_dir: Path):
+    """The records of an offline run's run-<id>.wandb: a LevelDB-style log (a 7-byte file
+    header, then 32 KiB blocks of records <crc32, length u16, type u8> + payload, a payload cut
+    over blocks as FIRST, MIDDLE..., LAST) of wandb_internal_pb2.Record protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, block, pos, pieces = path.read_bytes(), 32768, 7, []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the block's tail is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pieces.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(pieces))
+            pieces = []
+            yield record
+
+
+def test_wandb_offline_files_hold_the_metrics_config_and_plots(straight):
+    (run_dir,) = (straight / "wandb").glob("offline-run-*")
+    records = list(wandb_records(run_dir))
+    (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (header.project, header.run_group, header.display_name) == ("delta-tests", "mixture",
+                                                                      "straight")
+    config = {item.key: json.loads(item.value_json) for item in header.config.update}
+    assert [s["name"] for s in config["data"]["mixture"]] == list(WEIGHTS)
+    assert config["train"]["wandb"]["mode"] == "offline"
+    logged = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                     for i in r.history.item}
+            logged.setdefault(items["_step"], {}).update(items)
+    for record in read_metrics(straight / "metrics.jsonl"):
+        step = logged[record["step"]]
+        for key in ("loss", "grad_norm", "mix/paths"):
+            if key in record:
+                assert step[f"train/{key}"] == pytest.approx(record[key], rel=1e-6), key
+        for key in ("val_loss", "val/text/loss", "val/paths/ppl"):
+            if key in record:
+                assert step[f"eval/{key}"] == pytest.approx(record[key], rel=1e-6), key
+        if "routing" in record:
+            assert any(k.startswith("routing/max_weight/layer1_") for k in step)
+    images = {k.split("/")[1] for k in logged[STEPS] if k.startswith("plots/")
+              and k.endswith("/_type")}
+    assert images == {"loss", "routing"}
+    assert len(list((run_dir / "files" / "media" / "images").rglob("*.png"))) == 2
 
 
 def test_the_mixture_demo_logs_both_validation_losses(tmp_path):

@@ -20,6 +20,7 @@ from delta_jax.data.corpus import DEFAULT_CACHE_DIR, EMBEDDED
 from delta_jax.data.pipeline import PACKINGS
 
 DECAY_MASKS = ("all", "matrices")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,15 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (docs/training.md#weights--biases): on when `project` is set."""
+    project: str | None = None
+    name: str | None = None  # the run's name; None = the output_dir's folder name
+    mode: str = "online"  # online, offline (files under <output_dir>/wandb, no network), disabled
+    group: str | None = None  # the runs of one study, shown together
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
     batch_size: int = 8  # global, in sequences, per optimizer step
@@ -77,6 +87,7 @@ class TrainConfig:
     # "FIRST,LAST": trace steps FIRST..LAST (1-based) with jax.profiler into
     # <output_dir>/tensorboard, TensorBoard's Profile tab; empty = no trace.
     profile_steps: tuple[int, ...] = ()
+    wandb: WandbConfig = WandbConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +192,8 @@ class RunConfig:
              "data.packing", self.data.packing,
              "concat with model.attention=cudnn (cuDNN's attention takes no segment ids; "
              "or use attention xla or splash)"),
+            (t.wandb.mode in WANDB_MODES, "train.wandb.mode", t.wandb.mode,
+             " or ".join(WANDB_MODES)),
             (o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "an integer >= 0"),
             (self.checkpoint.keep >= 1, "checkpoint.keep", self.checkpoint.keep,
              "an integer >= 1"),

@@ -228,6 +228,11 @@ class Trainer:
         self.graphdef, _ = abstract_graph_and_params(self.model_cfg)
         self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
+        if cfg.train.wandb.project:
+            try:
+                metrics_lib.require_wandb(cfg.train.wandb.project)
+            except ImportError as e:
+                raise PreflightError(f"preflight: {e}") from None
         self._open_data()
         if cfg.train.init_from:
             _check_init_from(cfg.train.init_from, self.model_cfg)
@@ -423,8 +428,11 @@ class Trainer:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.yaml").write_text(dump_config(cfg))
                 logger.info("config (%s):\n%s", self.out / "config.yaml", dump_config(cfg))
+            tracker = (metrics_lib.WandbLogger(t.wandb, self.out, cfg.to_dict())
+                       if self.is_main and t.wandb.project else None)
             writer = metrics_lib.MetricsWriter(self.out, write_files=self.is_main,
-                                               tensorboard=t.tensorboard, resume_step=start)
+                                               tensorboard=t.tensorboard, resume_step=start,
+                                               wandb=tracker)
             self._announce(origin, start)
             try:
                 with StopSignals() as signals:
@@ -434,6 +442,9 @@ class Trainer:
                 writer.close()
                 self.checkpointer.wait()
         summary.update(self._finish(writer.path, summary["last_saved"]))
+        if tracker is not None:
+            tracker.finish(t.steps, {name: summary[f"{name}_plot"] for name in ("loss", "routing")
+                                     if f"{name}_plot" in summary})
         return summary
 
     def _announce(self, origin: str, start: int) -> None:

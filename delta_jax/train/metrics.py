@@ -1,6 +1,8 @@
-"""Training metrics: analytic FLOPs and MFU, the progress line, metrics.jsonl and TensorBoard.
+"""Training metrics: analytic FLOPs and MFU, the progress line, metrics.jsonl, TensorBoard and
+Weights & Biases (train.wandb, optional).
 
-Every process prints the progress line (so a diverging host shows); only process 0 writes files.
+Every process prints the progress line (so a diverging host shows); only process 0 writes files
+and logs to W&B.
 metrics.jsonl holds one JSON object per step that logged anything (training scalars every
 train.log_every steps, validation and routing statistics at their own intervals); NaN becomes
 null.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,9 @@ import numpy as np
 
 from delta_jax.config import ModelConfig
 from delta_jax.model.schedule import schedule
+
+# The W&B client this code is tested with (requirements-test.txt, pyproject's `wandb` extra).
+WANDB_INSTALL = "pip install wandb==0.31.0"
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity). Matched as a substring
 # of jax.Device.device_kind, first hit wins; anything else (CPUs) needs train.peak_tflops.
@@ -118,10 +124,11 @@ class MetricsWriter:
     """The progress line on every process; metrics.jsonl and TensorBoard events if `write_files`."""
 
     def __init__(self, output_dir: Path, *, write_files: bool, tensorboard: bool,
-                 resume_step: int):
+                 resume_step: int, wandb: WandbLogger | None = None):
         """A run resumed at `resume_step` keeps the records up to it and drops later ones (written
-        after the checkpoint it resumes from); a fresh run (0) starts an empty file."""
-        self.write_files = write_files
+        after the checkpoint it resumes from); a fresh run (0) starts an empty file. `wandb`
+        (process 0's) gets every record too."""
+        self.write_files, self._wandb = write_files, wandb
         self.path = output_dir / "metrics.jsonl"
         self._tb = None
         if write_files:
@@ -143,6 +150,8 @@ class MetricsWriter:
             self._file.flush()
             if self._tb is not None:
                 self._tensorboard(step, record)
+            if self._wandb is not None:
+                self._wandb.log(step, scalars(record))
 
     def _tensorboard(self, step: int, record: dict[str, Any]) -> None:
         for tag, value in scalars(record).items():
@@ -174,6 +183,44 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         elif key != "step" and isinstance(value, (int, float)):
             tags[f"{'eval' if key.startswith('val') else 'train'}/{key}"] = value
     return tags
+
+
+def require_wandb(project: str) -> None:
+    """An ImportError naming the install command if the wandb package is missing."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"train.wandb.project={project!r} needs the wandb package, which is "
+                          f"not installed ({e}); install it: {WANDB_INSTALL}") from e
+
+
+class WandbLogger:
+    """One W&B run per output_dir (a resumed run continues it: its id is kept in
+    <output_dir>/wandb/run_id): the run config, each metrics record's scalars (the TensorBoard
+    tags) at its step, and the end-of-run plots as images. Offline runs write
+    <output_dir>/wandb/offline-run-*/ (`wandb sync` uploads them later)."""
+
+    def __init__(self, cfg, output_dir: Path, config: dict[str, Any]):
+        import wandb
+
+        self._wandb = wandb
+        id_file = output_dir / "wandb" / "run_id"
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        if not id_file.is_file():
+            id_file.write_text(secrets.token_hex(8) + "\n")
+        self.run = wandb.init(project=cfg.project, name=cfg.name or output_dir.name,
+                              group=cfg.group, mode=cfg.mode, dir=str(output_dir),
+                              config=config, id=id_file.read_text().strip(), resume="allow")
+
+    def log(self, step: int, tags: dict[str, float]) -> None:
+        self.run.log(tags, step=step)
+
+    def finish(self, step: int, plots: dict[str, str]) -> None:
+        """Log the PNGs {name: path} at `step` and close the run."""
+        if plots:
+            self.run.log({f"plots/{name}": self._wandb.Image(path)
+                          for name, path in plots.items()}, step=step)
+        self.run.finish()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
