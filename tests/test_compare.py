@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from delta_jax.compare.__main__ import main
 from delta_jax.compare.report import paired_difference
 from delta_jax.data.prepare import prepare
 from delta_jax.model.causal_lm import count_params
+from delta_jax.train.config import load_config
 from delta_jax.train.metrics import read_metrics
 
 VARIANTS, SEEDS, STEPS = ("baseline", "delta_block"), (0, 1), 4
@@ -186,6 +188,10 @@ def test_status_and_refusals(compared, setup, tmp_path):
     saved.write_text(yaml.safe_dump(tree))
     (run,) = plan_runs(str(config), ["baseline"], [0], str(older))
     assert run_status(run) == FINISHED
+    # where a run is tracked is no change of what it trains
+    (tracked,) = plan_runs(str(config), ["baseline"], [0], str(output),
+                           ["train.wandb.project=delta"], wandb_group="study")
+    assert run_status(tracked) == FINISHED
     with pytest.raises(ValueError, match="compare sets seed"):
         plan_runs(str(config), ["delta"], [0], str(tmp_path), ["seed=3"])
     with pytest.raises(ValueError, match="--variants 'delta,resnet'"):
@@ -251,3 +257,22 @@ def test_sigterm_reaches_the_running_child_which_checkpoints(setup, tmp_path):
                        ["train.steps=2000", "checkpoint.every=0"])
     assert run_status(run) == UNFINISHED
     assert (run.output_dir / "checkpoints" / str(step)).is_dir()
+
+
+def test_print_commands_puts_the_study_in_one_wandb_group(setup, tmp_path, capsys):
+    """Each printed command logs its run to the group under its own name; the train command
+    line reads them as such. Without a W&B project the group is refused."""
+    argv = ["--config", str(setup[1]), "--variants", "baseline,delta", "--seeds", "0,1",
+            "--output", str(tmp_path / "out"), "--print-commands", "--wandb-group", "study-1"]
+    main(argv + ["train.wandb.project=delta", "train.wandb.mode=offline"])
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(commands) == 4
+    tracked = [load_config(c[c.index("--config") + 1], c[c.index("--config") + 2:]).train.wandb
+               for c in commands]
+    assert {w.group for w in tracked} == {"study-1"} and {w.project for w in tracked} == {"delta"}
+    assert [w.name for w in tracked] == ["baseline/seed0", "delta/seed0", "baseline/seed1",
+                                         "delta/seed1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "--wandb-group study-1: the runs log to no W&B project" in capsys.readouterr().err

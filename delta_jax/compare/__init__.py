@@ -84,9 +84,11 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def plan_runs(config_path: str, variants: Sequence[str], seeds: Sequence[int], output: str,
-              overrides: Sequence[str] = ()) -> list[PlannedRun]:
+              overrides: Sequence[str] = (), wandb_group: str | None = None
+              ) -> list[PlannedRun]:
     """The runs, seed-major (every variant of seed 0, then of seed 1, ...): a comparison cut
-    short, or slowed down by other load on the host, still covers every variant alike."""
+    short, or slowed down by other load on the host, still covers every variant alike.
+    `wandb_group` puts the runs in one W&B group, each named <variant>/seed<seed>."""
     for item in overrides:
         key = item.partition("=")[0].strip()
         if key in RUN_KEYS:
@@ -97,8 +99,14 @@ def plan_runs(config_path: str, variants: Sequence[str], seeds: Sequence[int], o
         for variant in variants:
             run_overrides = (*overrides, f"model.residual={variant}", f"seed={seed}",
                              f"output_dir={Path(output) / variant / f'seed{seed}'}")
+            if wandb_group is not None:
+                run_overrides += (f"train.wandb.group={wandb_group}",
+                                  f"train.wandb.name={variant}/seed{seed}")
             runs.append(PlannedRun(variant, seed, str(config_path), run_overrides,
                                    load_config(config_path, list(run_overrides))))
+    if wandb_group is not None and runs and runs[0].config.train.wandb.project is None:
+        raise ValueError(f"--wandb-group {wandb_group}: the runs log to no W&B project; set "
+                         "train.wandb.project (in the config or as an override)")
     return runs
 
 
@@ -126,7 +134,8 @@ def run_status(run: PlannedRun) -> str:
 
 def config_difference(saved: Path, cfg: RunConfig) -> str:
     """`key: saved -> now` for the fields of the saved config.yaml that differ, dotted ("" if
-    none). Fields the file does not hold (added to delta_jax after the run) are not compared."""
+    none). Fields the file does not hold (added to delta_jax after the run) are not compared,
+    nor train.wandb (where a run is tracked does not change what it trains)."""
     def flatten(tree, prefix=""):
         for key, value in tree.items():
             if isinstance(value, dict):
@@ -138,7 +147,7 @@ def config_difference(saved: Path, cfg: RunConfig) -> str:
     old = dict(flatten(load_config(saved).to_dict()))  # the written values, typed
     new = dict(flatten(cfg.to_dict()))
     return ", ".join(f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(written)
-                     if old.get(k) != new.get(k))
+                     if old.get(k) != new.get(k) and not k.startswith("train.wandb."))
 
 
 class RunFailed(RuntimeError):

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the train command of every unfinished run and exit")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from the finished runs; train nothing")
+    parser.add_argument("--wandb-group", metavar="NAME",
+                        help="log the runs to one W&B group, each named <variant>/seed<seed> "
+                             "(needs train.wandb.project)")
     parser.add_argument("--no-routing", action="store_true",
                         help="leave out routing.png (it loads every run's final checkpoint)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -60,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             raise ValueError(f"--reference {args.reference!r}: expected one of "
                              f"{', '.join(RESIDUALS)}")
         runs = plan_runs(args.config, variants, parse_seeds(args.seeds), args.output,
-                         args.overrides)
+                         args.overrides, args.wandb_group)
         if args.print_commands:
             for run in runs:
                 if run_status(run) != FINISHED:
