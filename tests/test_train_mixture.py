@@ -4,6 +4,8 @@ metrics.jsonl holds."""
 import ast
 import json
 import math
+import os
+import re
 import struct
 import subprocess
 import sys
@@ -97,6 +99,33 @@ def test_resume_is_bitwise(straight, sources, tmp_path):
     # the resumed run continues the same W&B run
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in runs}) == 1
+
+
+def test_two_processes_match_one_and_only_process_0_logs_to_wandb(sources, tmp_path):
+    """launch/local.sh 2 on a mixture: both processes report the losses of a one-process run
+    on as many devices (each reads its half of every global batch), and the W&B run is one."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    overrides = ["train.steps=3", "train.eval_every=3", "mesh.data=2", "train.plots=false"]
+    outputs = {}
+    for name, command, extra in (
+            ("two", [str(repo / "launch/local.sh"), "2"],
+             {"CPU_DEVICES": "2", "PYTHON": sys.executable}),
+            ("one", [sys.executable, "-m", "delta_jax.train"],
+             {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})):
+        config(sources, tmp_path / name, *overrides)
+        done = subprocess.run([*command, "--config", str(tmp_path / f"{name}.yaml"),
+                               *overrides], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        outputs[name] = done.stdout
+    reported = {p: re.findall(rf"^\[{p}\] step (\d+)/3 \| loss ([\d.]+)", outputs["two"], re.M)
+                for p in ("p0", "p1")}
+    assert len(reported["p0"]) == 3 and reported["p0"] == reported["p1"]
+    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                     if "loss" in r] for name in outputs}
+    np.testing.assert_allclose(losses["two"], losses["one"], rtol=0, atol=1e-6)
+    assert len(list((tmp_path / "two" / "wandb").glob("offline-run-*"))) == 1
 
 
 def wandb_records(run_dir: Path):
