@@ -201,3 +201,4 @@ def test_the_mixture_demo_logs_both_validation_losses(tmp_path):
     assert all(np.isfinite(r["val/code/loss"]) and np.isfinite(r["val/prose/loss"])
                for r in evals)
     assert "val_loss code " in done.stdout and " prose " in done.stdout
+    assert re.search(r"by source +code loss [\d.]+, prose loss [\d.]+", done.stdout)

@@ -640,6 +640,9 @@ def summary_table(summary: dict[str, Any]) -> str:
     if "val_loss" in final:
         rows.append(("validation", f"loss {final['val_loss']:.4f}, "
                                    f"perplexity {final['val_ppl']:.2f}"))
+    if sources := metrics_lib.validated_sources(final):
+        rows.append(("by source", ", ".join(f"{name} loss {final[f'val/{name}/loss']:.4f}"
+                                            for name in sources)))
     if final.get("tokens_per_s") is not None:
         rows.append(("throughput", f"{final['tokens_per_s']:,.0f} tokens/s"))
     rows.append(("time", f"compile {summary['compile_s']:.1f} s, training "

@@ -94,6 +94,12 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def validated_sources(record: dict[str, Any]) -> list[str]:
+    """The names of the mixture sources whose validation loss `record` holds (val/NAME/loss)."""
+    return [key.split("/")[1] for key in record if key.startswith("val/")
+            and key.endswith("/loss")]
+
+
 def progress_line(step: int, total: int, record: dict[str, Any]) -> str:
     """
     `step 120/400 | loss 2.3456 | lr 1.2e-03 | gnorm 0.53 | 12,345 tok/s | mfu 41.2% | eta 3m05s`.
@@ -112,9 +118,7 @@ def progress_line(step: int, total: int, record: dict[str, Any]) -> str:
         parts.append(f"eta {format_duration(record['eta_s'])}")
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f} val_ppl {record['val_ppl']:.2f}")
-    sources = [key.split("/")[1] for key in record if key.startswith("val/")
-               and key.endswith("/loss")]
-    if sources:  # a mixture's
+    if sources := validated_sources(record):
         parts.append("val_loss " + " ".join(f"{name} {record[f'val/{name}/loss']:.4f}"
                                             for name in sources))
     return " | ".join(parts)
