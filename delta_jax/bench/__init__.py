@@ -44,16 +44,17 @@ def bench_one(run: RunConfig, *, steps: int, warmup: int, compile_only: bool) ->
     cfg, train = run.model, run.train
     mesh = build_mesh(run.mesh)
     tx = make_optimizer(run.optimizer, train.steps)
-    shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
+    shardings = to_shardings(state_specs(cfg, tx, mesh, train.trainable), mesh)
     graphdef, _ = abstract_graph_and_params(cfg)
     step_fn = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps),
                               train.grad_accum, shardings, mesh,
-                              loss_vocab_chunks=train.loss_vocab_chunks)
+                              loss_vocab_chunks=train.loss_vocab_chunks,
+                              trainable=train.trainable)
     shape = (train.batch_size, train.seq_len)
     batch_spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh))
     with jax.set_mesh(mesh):
         start = time.perf_counter()
-        compiled = step_fn.lower(abstract_state(cfg, tx, shardings),
+        compiled = step_fn.lower(abstract_state(cfg, tx, shardings, train.trainable),
                                  dict.fromkeys(batch_keys(run.data.packing), batch_spec)
                                  ).compile()
         compile_s = time.perf_counter() - start
@@ -72,7 +73,7 @@ def bench_one(run: RunConfig, *, steps: int, warmup: int, compile_only: bool) ->
         }
         if compile_only:
             return result
-        state = init_state(cfg, tx, shardings, run.seed)
+        state = init_state(cfg, tx, shardings, run.seed, train.trainable)
         rng = np.random.default_rng(run.seed)
         ids = rng.integers(0, cfg.vocab_size, shape, dtype=np.int32)
         # Documents packing: one document per row; the kernels cost the same for any split.

@@ -287,11 +287,12 @@ def _prepare(run: RunConfig, topology: Topology):
     sizes = dict(mesh.shape)
     check_batch(run, sizes)
     tx = make_optimizer(run.optimizer, train.steps)
-    shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
+    shardings = to_shardings(state_specs(cfg, tx, mesh, train.trainable), mesh)
     graphdef, _ = abstract_graph_and_params(cfg)
     step = make_train_step(graphdef, tx, schedules(run.optimizer, train.steps), train.grad_accum,
-                           shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks)
-    state = abstract_state(cfg, tx, shardings)
+                           shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks,
+                           trainable=train.trainable)
+    state = abstract_state(cfg, tx, shardings, train.trainable)
     ids = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), jnp.int32,
                                sharding=batch_sharding(mesh))
     batch = dict.fromkeys(batch_keys(run.data.packing), ids)

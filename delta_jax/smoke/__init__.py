@@ -140,12 +140,13 @@ def _run_steps(run: RunConfig, batches: list[dict[str, jax.Array]]
     cfg, train = run.model, run.train
     mesh = build_mesh(run.mesh)
     tx = make_optimizer(run.optimizer, train.steps)
-    shardings = to_shardings(state_specs(cfg, tx, mesh), mesh)
+    shardings = to_shardings(state_specs(cfg, tx, mesh, train.trainable), mesh)
     step_fn = make_train_step(abstract_graph_and_params(cfg)[0], tx,
                               schedules(run.optimizer, train.steps), train.grad_accum,
-                              shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks)
+                              shardings, mesh, loss_vocab_chunks=train.loss_vocab_chunks,
+                              trainable=train.trainable)
     with jax.set_mesh(mesh):
-        state = init_state(cfg, tx, shardings, run.seed)
+        state = init_state(cfg, tx, shardings, run.seed, train.trainable)
         start = time.perf_counter()
         compiled = step_fn.lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - start

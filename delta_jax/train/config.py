@@ -18,6 +18,7 @@ import yaml
 from delta_jax.config import ModelConfig, current_fields
 from delta_jax.data.corpus import DEFAULT_CACHE_DIR, EMBEDDED
 from delta_jax.data.pipeline import PACKINGS
+from delta_jax.train.trainable import ALL, check_matches, check_selection
 
 DECAY_MASKS = ("all", "matrices")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -73,6 +74,10 @@ class TrainConfig:
     eval_batches: int = 8  # global validation batches per evaluation (fewer if the split ends)
     routing_every: int = 100  # routing sharpness; 0 = only at the end
     init_from: str | None = None  # a model checkpoint (delta_jax.checkpoint layout) to fine-tune
+    # The parameters trained: all; routing (the routing sites' pseudo-queries, their norms, null
+    # sources and gates); or parameter-path patterns (train/trainable.py says what they match).
+    # The others are frozen: no gradient, no optimizer state, no weight decay.
+    trainable: tuple[str, ...] = (ALL,)
     peak_tflops: float | None = None  # per-device peak for MFU; None = the table in metrics.py
     tensorboard: bool = True
     plots: bool = True
@@ -185,6 +190,8 @@ class RunConfig:
             (t.log_every >= 1, "train.log_every", t.log_every, "an integer >= 1"),
             (t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", t.max_nonfinite_steps,
              "an integer >= 1"),
+            (check_selection(t.trainable) is None, "train.trainable", ",".join(t.trainable),
+             check_selection(t.trainable)),
             (o.decay in DECAY_MASKS, "optimizer.decay", o.decay, " or ".join(DECAY_MASKS)),
             (self.data.packing in PACKINGS, "data.packing", self.data.packing,
              " or ".join(PACKINGS)),
@@ -216,6 +223,7 @@ class RunConfig:
             if not ok:
                 raise ValueError(f"{key}={value!r} is invalid: expected {expected}")
         _check_mixture(self.data)
+        check_matches(self.model, t.trainable)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -61,6 +61,7 @@ from delta_jax.train.state import (
     to_shardings,
 )
 from delta_jax.train.step import make_eval_step, make_routing_probe, make_train_step
+from delta_jax.train.trainable import ALL, split, trainable_paths
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,18 @@ def _check_resumable(saved: dict, cfg: RunConfig, where: Path) -> None:
             raise PreflightError(f"{where}: saved with {name}={old!r}, resuming with {new!r} "
                                  f"would change the training data; set {name}={old!r} or use a "
                                  "new output_dir")
+
+
+def _check_same_trainable(saved: dict, trainable: tuple[str, ...], where: Path) -> None:
+    """A checkpoint's optimizer state holds the parameters its run trained: resuming trains
+    the same ones (a new subset starts a new run from these weights, with train.init_from)."""
+    old = ",".join(saved["train"].get("trainable", [ALL]))
+    new = ",".join(trainable)
+    if old != new:
+        raise PreflightError(
+            f"{where}: saved with train.trainable={old!r}, resuming with {new!r}: its optimizer "
+            f"state holds only the parameters {old!r} trains; set train.trainable={old!r}, or "
+            f"train {new!r} in a new output_dir with train.init_from={str(where.parent)!r}")
 
 
 def _check_architecture(saved, cfg, where: Path) -> None:
@@ -226,7 +239,9 @@ class Trainer:
         self.tx = make_optimizer(cfg.optimizer, cfg.train.steps)
         self.lrs = schedules(cfg.optimizer, cfg.train.steps)
         self.graphdef, _ = abstract_graph_and_params(self.model_cfg)
-        self.shardings = to_shardings(state_specs(self.model_cfg, self.tx, self.mesh), self.mesh)
+        self.trainable = cfg.train.trainable
+        self.shardings = to_shardings(
+            state_specs(self.model_cfg, self.tx, self.mesh, self.trainable), self.mesh)
         self.batch_sharding = batch_sharding(self.mesh)
         if cfg.train.wandb.project:
             try:
@@ -241,11 +256,11 @@ class Trainer:
         if self.is_main:
             check_writable(self.out, 0)
         check_writable(self.checkpoint_dir, state_bytes(
-            abstract_state(self.model_cfg, self.tx, self.shardings)))
+            abstract_state(self.model_cfg, self.tx, self.shardings, self.trainable)))
         self.checkpointer: Checkpointer | None = None  # while entered
         self.step_fn = make_train_step(self.graphdef, self.tx, self.lrs, cfg.train.grad_accum,
                                        self.shardings, self.mesh, cfg.train.inject_nan_steps,
-                                       cfg.train.loss_vocab_chunks)
+                                       cfg.train.loss_vocab_chunks, self.trainable)
         self.eval_fn = make_eval_step(self.graphdef, self.shardings.params, self.mesh,
                                       cfg.train.loss_vocab_chunks)
         self.probe_fn = make_routing_probe(self.graphdef, self.shardings.params, self.mesh)
@@ -321,9 +336,10 @@ class Trainer:
             runtime = {k: getattr(self.model_cfg, k) for k in RUNTIME_FIELDS}
             model = load_checkpoint(where, mesh=self.mesh, **runtime)
             params = nnx.state(model, nnx.Param).to_pure_dict()
-            return (state_from_params(params, self.tx, self.shardings),
+            return (state_from_params(params, self.tx, self.shardings, self.trainable),
                     f"initialised from {where}")
-        return init_state(self.model_cfg, self.tx, self.shardings, cfg.seed), "initialised fresh"
+        return (init_state(self.model_cfg, self.tx, self.shardings, cfg.seed, self.trainable),
+                "initialised fresh")
 
     def _resume(self, step: int) -> tuple[TrainState, str] | None:
         """The state saved at `step`, or None (reported and quarantined) if it is damaged.
@@ -345,7 +361,8 @@ class Trainer:
             return self._damaged(step, error)
         _check_architecture(saved_model, self.model_cfg, where)
         _check_resumable(run["config"], self.cfg, where)
-        target = abstract_state(self.model_cfg, self.tx, self.shardings)
+        _check_same_trainable(run["config"], self.trainable, where)
+        target = abstract_state(self.model_cfg, self.tx, self.shardings, self.trainable)
         try:
             state, _, _, data_restored = self.checkpointer.restore(step, target, self.train_iter)
         except Exception as e:  # noqa: BLE001
@@ -458,6 +475,12 @@ class Trainer:
         logger.info("model: %s, %s parameters, %.3f GFLOPs per training token; %s (step %d)",
                     self.model_cfg.residual, f"{count_params(self.model_cfg):,}",
                     self.flops_per_token / 1e9, origin, start)
+        if self.trainable != (ALL,):
+            params = abstract_graph_and_params(self.model_cfg)[1].to_pure_dict()
+            trained = sum(x.size for x in jax.tree.leaves(split(params, self.trainable)[0]))
+            logger.info("train.trainable=%s: %s parameters train (%s), the rest are frozen",
+                        ",".join(self.trainable), f"{trained:,}",
+                        ", ".join(trainable_paths(params, self.trainable)))
 
     def _loop(self, state: TrainState, start: int, writer, signals: StopSignals
               ) -> dict[str, Any]:

@@ -13,17 +13,11 @@ import jax
 import optax
 
 from delta_jax.train.config import OptimizerConfig
-
-# Routing parameters live under these modules (the reference names them *res_*).
-ROUTING_MODULES = ("attn_site", "mlp_site", "final_site")
+from delta_jax.train.trainable import is_routing
 
 
 def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", k)) for k in path)
-
-
-def is_routing(path: tuple[str, ...]) -> bool:
-    return any(part in ROUTING_MODULES for part in path)
 
 
 def param_groups(params) -> dict:

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from delta_jax.sharding import batch_sharding
 from delta_jax.train.loss import vocab_chunked_cross_entropy
 from delta_jax.train.state import TrainState
+from delta_jax.train.trainable import ALL, merge, split
 
 Batch = dict[str, jax.Array]
 
@@ -65,7 +66,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     lr_schedules: dict[str, optax.Schedule], grad_accum: int,
                     state_shardings: TrainState, mesh: Mesh,
                     inject_nan_steps: tuple[int, ...] = (),
-                    loss_vocab_chunks: int = 1) -> Callable:
+                    loss_vocab_chunks: int = 1,
+                    trainable: tuple[str, ...] = (ALL,)) -> Callable:
     """(state, batch [B,T]) -> (state, metrics {loss, grad_norm, lr, routing_lr: float32 [],
     skipped: int32 [] (1 when the update was skipped)}).
 
@@ -74,13 +76,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     (tests only) makes the loss of those steps (1-based) NaN. `loss_vocab_chunks` > 1 computes
     the loss without the [B,T,V] logits, that many vocabulary chunks at a time (train/loss.py).
 
+    Only the parameters `trainable` selects (train.trainable; train/trainable.py) are
+    differentiated, clipped (grad_norm is theirs), updated and decayed; the frozen ones enter
+    the loss as constants, so XLA computes no weight gradient for them, and leave unchanged.
+
     With grad_accum A the batch is split into A microbatches of B/A rows that are run one after
     another under a scan and whose gradients are averaged (so the loss is the mean over the
     batch, like one pass over B rows). Microbatch a takes rows a, A + a, 2A + a, ...: each
     device's contiguous block of rows splits locally, without moving data between devices.
     With ignored labels (documents packing) the loss is the mean over the batch's counted tokens.
     """
-    grad_fn = jax.value_and_grad(lambda p, b, n: _loss(graphdef, p, b, n, loss_vocab_chunks))
+    grad_fn = jax.value_and_grad(  # (trainable, frozen, batch, tokens): w.r.t. trainable alone
+        lambda t, f, b, n: _loss(graphdef, merge(t, f), b, n, loss_vocab_chunks))
+    trainable_shardings = split(state_shardings.params, trainable)[0]
     micro_sharding = NamedSharding(mesh, P(None, ("data", "fsdp"), None))
 
     def step(state: TrainState, batch: Batch):
@@ -90,20 +98,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         # Counted tokens per microbatch on average (documents packing; at least 1).
         tokens = jnp.maximum(jnp.sum(batch["labels"] >= 0), 1).astype(jnp.float32) / grad_accum
 
+        params, frozen = split(state.params, trainable)
+
         # The float32 gradient sum is sharded like the parameters (FSDP keeps it distributed).
         def shard_like_params(tree):
-            return jax.lax.with_sharding_constraint(tree, state_shardings.params)
+            return jax.lax.with_sharding_constraint(tree, trainable_shardings)
 
         def accumulate(carry, microbatch):
-            loss, grads = grad_fn(state.params, microbatch, tokens)
+            loss, grads = grad_fn(params, frozen, microbatch, tokens)
             total_loss, total_grads = carry
             total_grads = jax.tree.map(lambda t, g: t + g.astype(jnp.float32), total_grads, grads)
             return (total_loss + loss, shard_like_params(total_grads)), None
 
         zeros = shard_like_params(
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
-        grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, state.params)
+        grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
         if inject_nan_steps:
             poison = jnp.where(jnp.isin(state.step + 1, jnp.array(inject_nan_steps)),
                                jnp.nan, 0.0)
@@ -112,14 +122,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         grad_norm = optax.global_norm(grads)
         # The norm is NaN/inf iff some gradient is; a non-finite loss alone also skips.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        updated = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         metrics = {"loss": loss / grad_accum, "grad_norm": grad_norm,
                    "lr": lr_schedules["base"](state.step),
                    "routing_lr": lr_schedules["routing"](state.step),
                    "skipped": (~finite).astype(jnp.int32)}
-        return TrainState(step=state.step + 1, params=keep(params, state.params),
+        return TrainState(step=state.step + 1, params=merge(keep(updated, params), frozen),
                           opt_state=keep(opt_state, state.opt_state)), metrics
 
     replicated = NamedSharding(mesh, P())
