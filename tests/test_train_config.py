@@ -51,6 +51,18 @@ def test_finetune_config_is_the_reference_recipe():
         residual="delta_block", routing_gate=True).architecture()
 
 
+def test_the_routing_stage_is_the_fine_tune_training_the_routing_alone():
+    """Stage 1 of docs/training.md#two-stage-fine-tuning: the same model, data and optimizer
+    (but a shorter warmup) from the same converted checkpoint; stage 2 trains everything."""
+    routing = load_config(CONFIGS / "finetune_qwen3_0_6b_routing.yaml")
+    full = load_config(CONFIGS / "finetune_qwen3_0_6b.yaml")
+    assert (routing.train.trainable, full.train.trainable) == (("routing",), ("all",))
+    assert (routing.model, routing.data) == (full.model, full.data)
+    assert dataclasses.replace(routing.optimizer, warmup_steps=500) == full.optimizer
+    assert routing.train.init_from == full.train.init_from
+    assert routing.output_dir != full.output_dir
+
+
 def test_overrides_are_typed(tmp_path):
     cfg = load_config(CONFIGS / "demo.yaml", [
         "optimizer.lr=1e-4", "train.steps=7", "model.tie_word_embeddings=false",
