@@ -71,6 +71,8 @@ def _slow(*args):  # make test keeps one case of a kind; make test-all runs ever
     _slow(["model.vocab_size=200"], ["model.vocab_size=200", "'byte' tokenizer",
                                      "expected model.vocab_size >= 257"]),
     _slow(["data.validation_split=nope"], ["no split 'nope'"]),
+    _slow(["train.trainable=layers/nope"], ["train.trainable pattern 'layers/nope' matches no "
+                                            "parameter", "layers/attn_site/query"]),
 ])
 def test_config_misfits(data_dir, tmp_path, overrides, named):
     assert_refused(train(tmp_path / "run", data_dir, *overrides), tmp_path / "run", *named)
@@ -139,3 +141,19 @@ def test_checkpoint_directory_not_writable_leaves_no_output_dir(data_dir, tmp_pa
     blocker.write_text("")
     assert_refused(train(tmp_path / "run", data_dir, f"checkpoint.directory={blocker / 'ckpt'}"),
                    tmp_path / "run", f"{blocker / 'ckpt'} is not writable")
+
+
+@pytest.mark.slow
+def test_resuming_with_another_trainable_subset(data_dir, tmp_path):
+    """The checkpoint's optimizer state holds the routing parameters alone: resuming with every
+    parameter is refused, naming both subsets and how to train the new one, saving nothing."""
+    run_dir = tmp_path / "run"
+    first = train(run_dir, data_dir, "train.trainable=routing", "train.steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = train(run_dir, data_dir, "train.steps=4")
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "saved with train.trainable='routing', resuming with 'all'" in last, last
+    assert f"train.init_from='{run_dir / 'checkpoints'}'" in last, last
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]

@@ -165,11 +165,19 @@ def test_a_routing_run_resumes_bitwise_and_freezes_the_rest(routing_runs, pretra
 
 
 @pytest.mark.slow
-def test_a_routing_run_exports_to_hugging_face(routing_runs, tmp_path):
+def test_a_routing_run_exports_and_starts_a_second_stage(routing_runs, data_dir,  # noqa: F811
+                                                         tmp_path):
+    """orbax-to-hf writes its parameters; train.init_from=<its checkpoints> starts a run of
+    every parameter from them (one step at lr 0, the warmup's first, leaves them as loaded)."""
     straight, _ = routing_runs
+    final = flat(params_at(straight, STEPS))
     assert convert(["orbax-to-hf", str(straight / "checkpoints"), str(tmp_path / "hf"),
                     "--dtype", "float32"]) == 0
     exported = flat(jax.device_get(nnx.state(load_pretrained(tmp_path / "hf"),
                                              nnx.Param).to_pure_dict()))
-    for path, value in flat(params_at(straight, STEPS)).items():
-        np.testing.assert_array_equal(exported[path], value, err_msg=path)
+    stage_2 = tmp_path / "stage_2"
+    run(config(data_dir, stage_2, *ROUTING_RUN[1:], f"train.init_from={straight / 'checkpoints'}",
+               "train.steps=1", "optimizer.warmup_steps=5"))
+    for path, value in flat(params_at(stage_2, 1)).items():
+        np.testing.assert_array_equal(exported[path], final[path], err_msg=path)
+        np.testing.assert_array_equal(value, final[path], err_msg=path)
