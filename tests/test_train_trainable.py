@@ -18,7 +18,13 @@ from delta_jax.train.config import OptimizerConfig, load_config
 from delta_jax.train.faults import PreflightError
 from delta_jax.train.loop import Trainer, run
 from delta_jax.train.optimizer import make_optimizer, schedules
-from delta_jax.train.state import abstract_graph_and_params, init_state, state_specs, to_shardings
+from delta_jax.train.state import (
+    abstract_graph_and_params,
+    abstract_state,
+    init_state,
+    state_specs,
+    to_shardings,
+)
 from delta_jax.train.step import make_train_step
 from delta_jax.train.trainable import merge, split, trainable_paths
 from test_train_loop import MODEL, SPLIT, STEPS, config, data_dir, losses, params_at  # noqa: F401
@@ -181,3 +187,29 @@ def test_a_routing_run_exports_and_starts_a_second_stage(routing_runs, data_dir,
     for path, value in flat(params_at(stage_2, 1)).items():
         np.testing.assert_array_equal(exported[path], final[path], err_msg=path)
         np.testing.assert_array_equal(value, final[path], err_msg=path)
+
+
+@pytest.mark.slow
+def test_frozen_weights_cost_no_gradient_flops():
+    """XLA's count of a step's FLOPs (layers written out, so that each is counted): training the
+    routing alone saves the weight gradients of every matmul, 2 FLOPs a weight a token."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                      head_dim=64, intermediate_size=1024, residual="delta_block", num_blocks=2,
+                      unroll_layers=True)
+    mesh, tx, batch, seq = make_mesh(1, 1, 1, devices=jax.devices()[:1]), optax.sgd(0.1), 8, 128
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh))
+    flops = {}
+    for trainable in (("all",), ("routing",)):
+        shardings = to_shardings(state_specs(cfg, tx, mesh, trainable), mesh)
+        step = make_train_step(abstract_graph_and_params(cfg)[0], tx, schedules(OPT, 10), 1,
+                               shardings, mesh, trainable=trainable)
+        with jax.set_mesh(mesh):
+            compiled = step.lower(abstract_state(cfg, tx, shardings, trainable),
+                                  {"input_ids": ids, "labels": ids}).compile()
+        cost = compiled.cost_analysis()
+        flops[trainable] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    # The stacked layer matrices ([L, ...], 3 dims or more) and the tied embedding (the head).
+    weights = sum(leaf.size for path, leaf in flat(abstract_params(cfg)).items()
+                  if leaf.ndim >= 3 or path == "embed_tokens")
+    saved = flops[("all",)] - flops[("routing",)]
+    assert saved == pytest.approx(2 * weights * batch * seq, rel=0.05)
