@@ -81,11 +81,11 @@ def gradient_recorder() -> optax.GradientTransformation:
         update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
 
 
-def train(mesh, trainable, tx, steps=3, cfg=CFG):
+def train(mesh, trainable, tx, steps=3, cfg=CFG, grad_accum=1):
     """(initial params, final state, state shardings, grad norms) of `steps` steps from the
     seed-0 init."""
     shardings = to_shardings(state_specs(cfg, tx, mesh, trainable), mesh)
-    step = make_train_step(abstract_graph_and_params(cfg)[0], tx, schedules(OPT, 10), 1,
+    step = make_train_step(abstract_graph_and_params(cfg)[0], tx, schedules(OPT, 10), grad_accum,
                            shardings, mesh, trainable=trainable)
     with jax.set_mesh(mesh):
         state = init_state(cfg, tx, shardings, seed=0, trainable=trainable)
@@ -98,10 +98,10 @@ def train(mesh, trainable, tx, steps=3, cfg=CFG):
 
 @pytest.mark.slow
 def test_frozen_parameters_have_no_adam_state_and_stay_bitwise():
-    """Routing only, on (data 2, fsdp 2, tensor 2): Adam's moments exist for the routing
-    parameters alone, sharded as they are; the rest are untouched bit for bit."""
+    """Routing only, on (data 2, fsdp 2, tensor 2) with 2 microbatches: Adam's moments exist for
+    the routing parameters alone, sharded as they are; the rest are untouched bit for bit."""
     first, state, shardings, _ = train(make_mesh(2, 2, 2), ("routing",),
-                                       make_optimizer(OPT, total_steps=10))
+                                       make_optimizer(OPT, total_steps=10), grad_accum=2)
     moments = {k for k in flat(state.opt_state) if k.startswith(("1/mu/", "1/nu/"))}
     assert moments == {f"1/{m}/{path}" for m in ("mu", "nu") for path in ROUTING}
     param_specs = flat(jax.tree.map(lambda s: s.spec, shardings.params))
