@@ -29,7 +29,7 @@ def is_routing(path: tuple[str, ...]) -> bool:
 
 def check_selection(selection: tuple[str, ...]) -> str | None:
     """What is wrong with `selection` as written (None if nothing): the parameters it matches
-    are checked by `trainable_mask`."""
+    are checked by `check_matches`."""
     if not selection:
         return "all, routing or a list of parameter-path patterns"
     if len(selection) > 1 and {ALL, ROUTING} & set(selection):
