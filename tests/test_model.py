@@ -68,7 +68,8 @@ def test_sources_per_site_match_spec(residual, num_layers, num_blocks):
 @pytest.mark.parametrize("config", [
     pytest.param(dict(residual="delta_block", block_sources="paper", num_layers=5, num_blocks=2),
                  marks=SLOW),
-    dict(residual="delta_block", block_sources="reference", num_layers=5, num_blocks=3),
+    pytest.param(dict(residual="delta_block", block_sources="reference", num_layers=5,
+                      num_blocks=3), marks=SLOW),  # the golden files cover it in the quick suite
     pytest.param(dict(residual="delta", null_source=True, routing_gate=True), marks=SLOW),
     pytest.param(dict(residual="delta_block", null_source=True, num_layers=6, num_blocks=3),
                  marks=SLOW),
@@ -95,6 +96,7 @@ def test_scan_matches_literal_spec(config):
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+@SLOW
 def test_public_output_shapes():
     cfg = tiny(residual="block", num_layers=3, num_blocks=2, tie_word_embeddings=False)
     model = init_model(cfg, 0)
@@ -308,7 +310,7 @@ def test_layer_loops_cover_the_layers_and_every_slot_they_touch(residual, loops)
                         for loop in spans] if residual == "delta_block" else [False] * len(spans))
 
 
-@pytest.mark.parametrize("residual", ["block", "delta_block"])
+@pytest.mark.parametrize("residual", [pytest.param("block", marks=SLOW), "delta_block"])
 def test_layers_known_to_start_no_block_skip_their_write(residual):
     """Over a layer loop inside one block (schedule.layer_loops, one that does not begin at a
     block boundary) the rows know statically that no layer starts a block, and a layer then

@@ -102,7 +102,8 @@ def test_drivers_agree_on_packed_gradients(packed, residual):
 
 
 @pytest.mark.parametrize("grad_accum,vocab_chunks", [
-    pytest.param(1, 1, marks=pytest.mark.slow), (2, 1), pytest.param(2, 4, marks=pytest.mark.slow)])
+    pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow),
+    pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_packed_loss_is_the_token_weighted_mean_of_document_losses(grad_accum, vocab_chunks):
     """The train step's loss (before its update) and the eval step's sum and count: the EOS
     labels left out, every other token weighs the same, whichever microbatch holds it; also
