@@ -80,10 +80,8 @@ class ModelConfig:
     # delta with the lean driver: keep only each layer loop's input state (layer_loops loops)
     # and rebuild each layer's input state from the buffer in the backward pass, as the
     # running sum of the sources written before it (delta_jax/model/decoder.py
-    # DeltaStateRebuild). HBM for time, v5p (BENCHMARKS.md): 220M 12.25 -> 11.31 GiB a chip
-    # (live at the peak 9.86 -> 9.33) for an estimated step 1.9% slower; 1044M 21.49 -> 18.86
-    # (15.16 -> 13.87); 8B 36.37 -> 31.99 (24.83 -> 22.64). Off unless HBM is short: the
-    # planner offers it to a delta run that does not fit (delta_jax/plan/knobs.py).
+    # DeltaStateRebuild): HBM for step time (BENCHMARKS.md, "Tried, not kept"). Off unless HBM
+    # is short: the planner offers it to a delta run that does not fit (delta_jax/plan/knobs.py).
     rebuild_states: bool = False
     # Causal attention kernel for training and prefill (delta_jax/model/attention_kernels.py):
     # "auto" the platform's kernel where the inputs allow it (splash on TPU, cudnn on NVIDIA

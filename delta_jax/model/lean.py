@@ -94,8 +94,7 @@ class LeanDriver:
         # Where nothing after the layers reads the buffer (delta, delta_block) its cotangent
         # arrives as zeros. In the looped program XLA sinks those zeros into the first backward
         # loop as a select over the whole buffer, materialised in every iteration; behind a
-        # barrier they are one plain buffer (8B delta on v5p: 42.12 GiB a device without it,
-        # 36.37 with it).
+        # barrier they are one plain buffer (figures: BENCHMARKS.md, "Tried, not kept").
         # The unrolled cost twin keeps the constant, as before: it has no loop to sink the
         # zeros into, and XLA folds them away there.
         d_carry = final_cotangent
@@ -107,7 +106,7 @@ class LeanDriver:
         # whole-buffer cotangent is not kept, and the caller gets zeros for those slots. The
         # barrier takes each prefix of the final buffer only once the loop before it is done;
         # without it XLA slices every prefix right after the forward pass and holds them all
-        # (220M delta on v5p: 14.85 against 12.25 GiB a device).
+        # (BENCHMARKS.md, "Tried, not kept").
         d_inputs = []
         d_state, d_buffer, final_buffer = d_carry.state, d_carry.buffer, final.buffer
         for loop, states in zip(reversed(self.loops), reversed(kept)):
@@ -173,8 +172,8 @@ class LeanDriver:
         if not self.unroll:
             # The final buffer rides through the loop so that the next loop takes its prefix
             # from this loop's copy (in the layout the loop wants). Passed through as it is, XLA
-            # forwards the copy from before the loop instead and holds both through it (220M
-            # delta_block on v5p: 8.91 against 8.68 GiB a device).
+            # forwards the copy from before the loop instead and holds both through it
+            # (BENCHMARKS.md, "Tried, not kept").
             final_buffer = jax.lax.optimization_barrier(final_buffer)
         return ((Carry(d_state, jax.tree.map(jnp.add, cotangent.buffer, d_buffer)),
                  final_buffer), d_inputs)
