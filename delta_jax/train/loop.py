@@ -285,10 +285,10 @@ class Trainer:
             self.mixture = (MixtureSchedule([s.weight for s in cfg.data.mixture], cfg.seed)
                             if self.sources else None)
             self.train_iter = self._train_iterator()
-            for data in self.sources.values():  # each source's validation split is readable
-                next(self._eval_batches(data))
-            self.probe_inputs = {k: v for k, v in next(self._eval_batches()).items()
-                                 if k != "labels"}
+            # each source's validation split is readable; the first (self.data) feeds the probe
+            first_batches = [next(self._eval_batches(data)) for data in self.sources.values()]
+            probe_batch = first_batches[0] if first_batches else next(self._eval_batches())
+            self.probe_inputs = {k: v for k, v in probe_batch.items() if k != "labels"}
             tokenizer = (mixture_tokenizer(list(self.sources.values())) if self.sources
                          else data_tokenizer(self.data))
         except (OSError, ValueError, StopIteration) as e:
